@@ -1,0 +1,3 @@
+from cni_agent.cli import main
+
+raise SystemExit(main())

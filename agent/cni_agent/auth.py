@@ -1,0 +1,78 @@
+"""Who may call: root, or a member of `access.groups` — checked in the daemon.
+
+The bus policy says the same, but a node agent must not rely on a policy file
+it does not control (a permissive bus, a custom dbus-daemon config).
+"""
+
+from __future__ import annotations
+
+import grp
+import logging
+import os
+import pwd
+from collections.abc import Sequence
+from typing import Any
+
+from dbus_fast import Message, MessageType
+
+from cni_agent.errors import AgentError, ErrorKind
+
+log = logging.getLogger(__name__)
+
+_CACHE_LIMIT = 512
+
+
+def resolve_groups(names: Sequence[str]) -> frozenset[int]:
+    gids = set()
+    for name in names:
+        try:
+            gids.add(grp.getgrnam(name).gr_gid)
+        except KeyError:
+            log.info("access group %s does not exist on this node; ignoring it", name)
+    return frozenset(gids)
+
+
+class Authorizer:
+    def __init__(self, bus: Any, groups: Sequence[str]) -> None:
+        self.bus = bus
+        self.group_names = tuple(groups)
+        self.gids = resolve_groups(groups)
+        # Unique bus names are never reused, so caching per sender is safe.
+        self._cache: dict[str, tuple[int, frozenset[int]]] = {}
+
+    async def _credentials(self, sender: str) -> tuple[int, frozenset[int]]:
+        if sender in self._cache:
+            return self._cache[sender]
+        reply = await self.bus.call(Message(
+            destination="org.freedesktop.DBus", path="/org/freedesktop/DBus",
+            interface="org.freedesktop.DBus", member="GetConnectionCredentials",
+            signature="s", body=[sender],
+        ))
+        if reply is None or reply.message_type is not MessageType.METHOD_RETURN:
+            raise AgentError(ErrorKind.ACCESS_DENIED, "cannot determine the caller's credentials")
+        creds = reply.body[0]
+        uid = int(creds["UnixUserID"].value)
+        if "UnixGroupIDs" in creds:
+            gids = frozenset(int(g) for g in creds["UnixGroupIDs"].value)
+        else:  # older buses: the user's groups from the user database
+            try:
+                pw = pwd.getpwuid(uid)
+                gids = frozenset(os.getgrouplist(pw.pw_name, pw.pw_gid))
+            except KeyError:
+                gids = frozenset()
+        if len(self._cache) >= _CACHE_LIMIT:
+            self._cache.clear()
+        self._cache[sender] = (uid, gids)
+        return uid, gids
+
+    async def require(self, sender: str | None, what: str) -> None:
+        if sender is None:
+            raise AgentError(ErrorKind.ACCESS_DENIED, f"{what}: the caller is unknown")
+        uid, gids = await self._credentials(sender)
+        if uid == 0 or gids & self.gids:
+            return
+        groups = " or ".join(self.group_names) or "(none configured)"
+        raise AgentError(
+            ErrorKind.ACCESS_DENIED,
+            f"{what} requires root or membership in group {groups} (caller uid {uid})",
+        )

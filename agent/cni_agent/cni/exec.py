@@ -1,0 +1,260 @@
+"""Running plugin binaries: the one code path every verb goes through.
+
+libcni's seam in three parts: find a binary, execute it, decode its output.
+The runtime takes an `Executor`, so tests can swap in a recorder while
+production always forks through `ProcessExecutor`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import json
+import os
+import signal
+import stat
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from cni_agent.cni.errors import (
+    ExecError,
+    PluginBadOutput,
+    PluginError,
+    PluginKilled,
+    PluginNotExecutable,
+    PluginNotFound,
+    PluginTimeout,
+    PluginUnsafe,
+)
+
+# The agent's own systemd plumbing must not leak into plugins: a plugin that
+# inherited NOTIFY_SOCKET could speak to systemd on our behalf.
+_STRIPPED_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS",
+                 "LISTEN_PID", "LISTEN_FDNAMES", "INVOCATION_ID")
+
+MAX_STDOUT = 8 * 1024 * 1024
+MAX_STDERR = 64 * 1024
+
+
+@dataclass(frozen=True)
+class Invocation:
+    """The six CNI_* variables of one plugin execution."""
+
+    command: str
+    container_id: str = ""
+    netns: str = ""
+    ifname: str = ""
+    args: str = ""
+    path: str = ""
+
+    def environ(self) -> dict[str, str]:
+        return {
+            "CNI_COMMAND": self.command,
+            "CNI_CONTAINERID": self.container_id,
+            "CNI_NETNS": self.netns,
+            "CNI_IFNAME": self.ifname,
+            "CNI_ARGS": self.args,
+            "CNI_PATH": self.path,
+        }
+
+
+class Executor(Protocol):
+    """Runs one plugin binary; returns its stdout on success."""
+
+    async def execute(
+        self, plugin: str, binary: str, inv: Invocation, stdin: bytes, timeout: float
+    ) -> bytes: ...
+
+
+def _unsafe_reason(path: str, st: os.stat_result) -> str | None:
+    """Why a root agent must not trust this file or directory, or None."""
+    if os.geteuid() != 0:
+        return None
+    if st.st_uid not in (0, os.geteuid()):
+        return f"{path} is owned by uid {st.st_uid}, not root"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"{path} is writable by non-root users (mode {stat.filemode(st.st_mode)})"
+    return None
+
+
+def find_plugin(plugin: str, dirs: Iterable[str], verb: str = "lookup") -> str:
+    """The binary for a plugin type: `<dir>/<type>` in the first dir holding it.
+
+    Refuses binaries (and directories) that a non-root user could replace,
+    because the agent runs them as root.
+    """
+    if not plugin or "/" in plugin or plugin in (".", ".."):
+        raise PluginNotFound(plugin, verb, f"invalid plugin type {plugin!r}")
+    searched = []
+    for d in dirs:
+        path = os.path.join(d, plugin)
+        searched.append(d)
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            continue
+        try:
+            dst = os.stat(d)
+        except OSError:
+            continue
+        reason = _unsafe_reason(d, dst) or _unsafe_reason(path, st)
+        if reason:
+            raise PluginUnsafe(plugin, verb, f"refusing to run {path}: {reason}")
+        return path
+    where = ", ".join(searched) or "(no plugin directories configured)"
+    raise PluginNotFound(plugin, verb, f"no binary {plugin!r} in {where}")
+
+
+def decode_json(plugin: str, verb: str, out: bytes) -> Any:
+    """Parse a plugin's stdout; `null` (and nothing at all) mean `{}`."""
+    text = out.strip()
+    if not text or text == b"null":
+        return {}
+    try:
+        return json.loads(text)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise PluginBadOutput(
+            plugin, verb, f"output is not JSON ({e}): {_excerpt(out)}"
+        ) from None
+
+
+def _excerpt(data: bytes, limit: int = 200) -> str:
+    text = data.decode("utf-8", "replace").strip()
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def _error_from_exit(plugin: str, verb: str, rc: int, out: bytes, err: bytes) -> ExecError | PluginError:
+    """Turn a non-zero exit into the plugin's own error if it printed one."""
+    if rc < 0:
+        try:
+            name = signal.Signals(-rc).name
+        except ValueError:
+            name = str(-rc)
+        return PluginKilled(plugin, verb, name)
+    try:
+        data = json.loads(out) if out.strip() else None
+    except (ValueError, UnicodeDecodeError):
+        data = None
+    if isinstance(data, dict) and isinstance(data.get("code"), int):
+        return PluginError(
+            plugin, verb, int(data["code"]), str(data.get("msg", "")),
+            str(data.get("details", "") or ""),
+        )
+    text = _excerpt(out) or _excerpt(err) or "no output"
+    return ExecError(plugin, verb, f"exited with status {rc} without an error result: {text}")
+
+
+async def _read_capped(stream: asyncio.StreamReader, cap: int) -> tuple[bytes, bool]:
+    """Read to EOF keeping at most `cap` bytes; True when more was offered."""
+    buf = bytearray()
+    while chunk := await stream.read(65536):
+        if len(buf) + len(chunk) > cap:
+            buf.extend(chunk[: cap - len(buf)])
+            return bytes(buf), True
+        buf.extend(chunk)
+    return bytes(buf), False
+
+
+async def _drain_capped(stream: asyncio.StreamReader, cap: int) -> bytes:
+    """Read to EOF keeping the first `cap` bytes (stderr must never block the child)."""
+    buf = bytearray()
+    while chunk := await stream.read(65536):
+        if len(buf) < cap:
+            buf.extend(chunk[: cap - len(buf)])
+    return bytes(buf)
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+class ProcessExecutor:
+    """Forks the plugin in its own process group, with a timeout and output caps."""
+
+    def __init__(
+        self,
+        *,
+        max_stdout: int = MAX_STDOUT,
+        max_stderr: int = MAX_STDERR,
+        busy_retries: int = 6,
+        busy_delay: float = 0.2,
+        base_env: Mapping[str, str] | None = None,
+    ) -> None:
+        self._max_stdout = max_stdout
+        self._max_stderr = max_stderr
+        self._busy_retries = busy_retries
+        self._busy_delay = busy_delay
+        self._base_env = base_env
+
+    def _environ(self, inv: Invocation) -> dict[str, str]:
+        env = dict(os.environ if self._base_env is None else self._base_env)
+        for key in _STRIPPED_ENV:
+            env.pop(key, None)
+        env.update(inv.environ())
+        return env
+
+    async def _spawn(self, plugin: str, binary: str, inv: Invocation) -> asyncio.subprocess.Process:
+        env = self._environ(inv)
+        for attempt in range(self._busy_retries + 1):
+            try:
+                return await asyncio.create_subprocess_exec(
+                    binary,
+                    stdin=asyncio.subprocess.PIPE,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE,
+                    env=env,
+                    cwd="/",
+                    start_new_session=True,  # own process group: a timeout kills it all
+                )
+            except OSError as e:
+                # A binary being replaced (package upgrade) is briefly busy.
+                if e.errno == errno.ETXTBSY and attempt < self._busy_retries:
+                    await asyncio.sleep(self._busy_delay)
+                    continue
+                if e.errno == errno.ENOENT:
+                    raise PluginNotFound(plugin, inv.command, f"{binary} vanished before exec") from None
+                raise PluginNotExecutable(
+                    plugin, inv.command, f"cannot execute {binary}: {e.strerror}"
+                ) from None
+        raise AssertionError("unreachable")
+
+    async def execute(
+        self, plugin: str, binary: str, inv: Invocation, stdin: bytes, timeout: float
+    ) -> bytes:
+        proc = await self._spawn(plugin, binary, inv)
+        assert proc.stdin and proc.stdout and proc.stderr
+        try:
+            async with asyncio.timeout(timeout):
+                out_task = asyncio.ensure_future(_read_capped(proc.stdout, self._max_stdout))
+                err_task = asyncio.ensure_future(_drain_capped(proc.stderr, self._max_stderr))
+                try:
+                    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                        proc.stdin.write(stdin)
+                        await proc.stdin.drain()
+                    proc.stdin.close()
+                    out, too_big = await out_task
+                    if too_big:
+                        raise PluginBadOutput(
+                            plugin, inv.command,
+                            f"printed more than {self._max_stdout} bytes (process group killed)",
+                        )
+                    err = await err_task
+                    rc = await proc.wait()
+                finally:
+                    for t in (out_task, err_task):
+                        t.cancel()
+        except TimeoutError:
+            raise PluginTimeout(plugin, inv.command, timeout) from None
+        finally:
+            # Always: kills a hung plugin, and any children it left behind.
+            _kill_group(proc.pid)
+            if proc.returncode is None:
+                await asyncio.shield(proc.wait())
+        if rc != 0:
+            raise _error_from_exit(plugin, inv.command, rc, out, err)
+        return out

@@ -1,0 +1,347 @@
+"""Chains of plugins over a network configuration list (libcni's shape).
+
+One public method per verb; each loops over `_run` for its plugins. Version
+gates live here, once each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from cni_agent.cni.args import format_cni_args
+from cni_agent.cni.cache import CachedAttachment, ResultCache
+from cni_agent.cni.config import NetworkConfigList, PluginConf, parse_list
+from cni_agent.cni.errors import (
+    CNIError,
+    ConfigError,
+    ExecError,
+    PluginBadOutput,
+    PluginError,
+)
+from cni_agent.cni.exec import (
+    Executor,
+    Invocation,
+    ProcessExecutor,
+    decode_json,
+    find_plugin,
+)
+from cni_agent.cni.result import convert_result, parse_result, version_at_least
+from cni_agent.netns import is_netns
+
+VALID_ATTACHMENTS_KEY = "cni.dev/valid-attachments"
+LEGACY_ATTACHMENTS_KEY = "cni.dev/attachments"
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Seconds allowed per verb; every plugin execution has one."""
+
+    add: float = 120.0
+    delete: float = 60.0
+    check: float = 30.0
+    status: float = 10.0
+    gc: float = 60.0
+    version: float = 10.0
+
+
+@dataclass(frozen=True)
+class RuntimeConf:
+    """What a caller supplies for one attachment."""
+
+    container_id: str
+    netns: str
+    ifname: str
+    args: tuple[tuple[str, str], ...] = ()
+    capability_args: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_cache(cls, entry: CachedAttachment, netns: str | None = None) -> RuntimeConf:
+        return cls(
+            container_id=entry.container_id,
+            netns=entry.netns if netns is None else netns,
+            ifname=entry.ifname,
+            args=entry.cni_args,
+            capability_args=dict(entry.capability_args),
+        )
+
+
+def plugin_stdin(
+    net: NetworkConfigList,
+    plugin: PluginConf,
+    prev_result: Mapping[str, Any] | None = None,
+    capability_args: Mapping[str, Any] | None = None,
+) -> bytes:
+    """The JSON a plugin reads: its own config with the list's name/version injected."""
+    conf = dict(plugin.raw)
+    conf["name"] = net.name
+    conf["cniVersion"] = net.cni_version
+    conf.pop("runtimeConfig", None)
+    if prev_result is not None:
+        conf["prevResult"] = dict(prev_result)
+    runtime = {
+        k: v for k, v in (capability_args or {}).items() if k in plugin.capabilities
+    }
+    if runtime:
+        conf["runtimeConfig"] = runtime
+    return json.dumps(conf).encode()
+
+
+def _status_stdin(net: NetworkConfigList, plugin: PluginConf, extra: Mapping[str, Any]) -> bytes:
+    conf = dict(plugin.raw)
+    conf["name"] = net.name
+    conf["cniVersion"] = net.cni_version
+    conf.pop("runtimeConfig", None)
+    conf.pop("prevResult", None)
+    conf.update(extra)
+    return json.dumps(conf).encode()
+
+
+@dataclass(frozen=True)
+class GCReport:
+    """What a GC of one network did; errors do not stop it."""
+
+    deleted: tuple[tuple[str, str], ...] = ()
+    errors: tuple[str, ...] = ()
+
+
+class CNIRuntime:
+    def __init__(
+        self,
+        plugin_dirs: Sequence[str],
+        state_dir: str,
+        *,
+        executor: Executor | None = None,
+        timeouts: Timeouts | None = None,
+    ) -> None:
+        self.plugin_dirs = tuple(plugin_dirs)
+        self.cache = ResultCache(state_dir)
+        self.executor: Executor = executor or ProcessExecutor()
+        self.timeouts = timeouts or Timeouts()
+        # VERSION answers keyed by the binary's identity, so rescans are cheap.
+        self._versions: dict[tuple[str, int, int, int, int], tuple[str, ...]] = {}
+
+    @property
+    def cni_path(self) -> str:
+        return ":".join(self.plugin_dirs)
+
+    def find(self, plugin: str, verb: str = "lookup") -> str:
+        return find_plugin(plugin, self.plugin_dirs, verb)
+
+    async def _run(
+        self, net: NetworkConfigList, plugin: PluginConf, inv: Invocation, stdin: bytes,
+        timeout: float,
+    ) -> bytes:
+        binary = self.find(plugin.type, inv.command)
+        return await self.executor.execute(plugin.type, binary, inv, stdin, timeout)
+
+    def _invocation(self, command: str, rt: RuntimeConf | None = None) -> Invocation:
+        if rt is None:
+            return Invocation(command=command, path=self.cni_path)
+        return Invocation(
+            command=command,
+            container_id=rt.container_id,
+            netns=rt.netns,
+            ifname=rt.ifname,
+            args=format_cni_args(rt.args),
+            path=self.cni_path,
+        )
+
+    # --- ADD ---------------------------------------------------------------
+
+    async def add(self, net: NetworkConfigList, rt: RuntimeConf) -> dict[str, Any]:
+        """Run the chain forward and cache the final result.
+
+        Nothing is cached on failure; the caller must DEL (the spec requires it).
+        """
+        prev: dict[str, Any] | None = None
+        inv = self._invocation("ADD", rt)
+        for plugin in net.plugins:
+            out = await self._run(
+                net, plugin, inv, plugin_stdin(net, plugin, prev, rt.capability_args),
+                self.timeouts.add,
+            )
+            data = decode_json(plugin.type, "ADD", out)
+            try:
+                prev = convert_result(parse_result(data, net.cni_version), net.cni_version)
+            except CNIError as e:
+                raise PluginBadOutput(plugin.type, "ADD", f"invalid result: {e}") from None
+        assert prev is not None
+        entry = CachedAttachment(
+            container_id=rt.container_id,
+            network=net.name,
+            ifname=rt.ifname,
+            netns=rt.netns,
+            config=net.bytes,
+            cni_args=tuple(rt.args),
+            capability_args=dict(rt.capability_args),
+            result=prev,
+        )
+        await asyncio.to_thread(self.cache.write, entry)
+        return prev
+
+    # --- DEL ---------------------------------------------------------------
+
+    def cached(self, net_name: str, container_id: str, ifname: str) -> CachedAttachment | None:
+        return self.cache.read(net_name, container_id, ifname)
+
+    async def delete(
+        self, net: NetworkConfigList, rt: RuntimeConf, *, prev_result: Mapping[str, Any] | None = None,
+        use_cache: bool = True,
+    ) -> None:
+        """Run the chain in reverse; drop the cache entry only after success.
+
+        DEL is sent even when the netns is gone (plugins must tolerate it).
+        """
+        if use_cache and prev_result is None:
+            prev_result = await asyncio.to_thread(self._cached_result, net, rt)
+        if not version_at_least(net.cni_version, "0.4.0"):
+            prev_result = None
+        inv = self._invocation("DEL", rt)
+        for plugin in reversed(net.plugins):
+            await self._run(
+                net, plugin, inv, plugin_stdin(net, plugin, prev_result, rt.capability_args),
+                self.timeouts.delete,
+            )
+        await asyncio.to_thread(self.cache.delete, net.name, rt.container_id, rt.ifname)
+
+    def _cached_result(self, net: NetworkConfigList, rt: RuntimeConf) -> dict[str, Any] | None:
+        try:
+            entry = self.cache.read(net.name, rt.container_id, rt.ifname)
+        except CNIError:
+            return None  # unreadable entry: DEL without prevResult, the entry is removed after
+        if entry is None or entry.result is None:
+            return None
+        try:
+            return convert_result(dict(entry.result), net.cni_version)
+        except CNIError:
+            return None
+
+    # --- CHECK -------------------------------------------------------------
+
+    async def check(self, net: NetworkConfigList, rt: RuntimeConf) -> bool:
+        """CHECK with the cached result; False when the list does not support it."""
+        if not version_at_least(net.cni_version, "0.4.0") or net.disable_check:
+            return False
+        prev = await asyncio.to_thread(self._cached_result, net, rt)
+        if prev is None:
+            raise ConfigError(
+                net.source or net.name,
+                f"no cached result for {rt.container_id}/{rt.ifname} on network {net.name}",
+            )
+        inv = self._invocation("CHECK", rt)
+        for plugin in net.plugins:
+            await self._run(
+                net, plugin, inv, plugin_stdin(net, plugin, prev, rt.capability_args),
+                self.timeouts.check,
+            )
+        return True
+
+    # --- STATUS ------------------------------------------------------------
+
+    async def status(self, net: NetworkConfigList) -> bool:
+        """STATUS of each plugin in order; the first error is raised unchanged.
+
+        Lists older than 1.1.0 have no STATUS: False (nothing executed), and
+        the caller counts a valid list as ready.
+        """
+        if not version_at_least(net.cni_version, "1.1.0"):
+            return False
+        inv = self._invocation("STATUS")
+        for plugin in net.plugins:
+            await self._run(net, plugin, inv, _status_stdin(net, plugin, {}), self.timeouts.status)
+        return True
+
+    # --- GC ----------------------------------------------------------------
+
+    async def gc(
+        self,
+        net: NetworkConfigList,
+        valid: Iterable[tuple[str, str]],
+        *,
+        netns_for: Callable[[CachedAttachment], str] | None = None,
+    ) -> GCReport:
+        """DEL cached attachments of `net` not in `valid`, then the GC verb.
+
+        Continues past errors (every plugin gets its GC). `netns_for` chooses the
+        netns passed to each stale DEL; the default passes the cached path only
+        if it is still a network namespace.
+        """
+        valid_set = {(c, i) for c, i in valid}
+        pick = netns_for or _netns_if_present
+        deleted: list[tuple[str, str]] = []
+        errors: list[str] = []
+        entries = await asyncio.to_thread(self.cache.for_network, net.name)
+        for entry in entries:
+            if (entry.container_id, entry.ifname) in valid_set:
+                continue
+            rt = RuntimeConf.from_cache(entry, netns=pick(entry))
+            try:
+                # DEL with the config the attachment was added with, when readable.
+                await self.delete(cached_config(entry) or net, rt, prev_result=entry.result)
+                deleted.append((entry.container_id, entry.ifname))
+            except CNIError as e:
+                errors.append(str(e))
+        if version_at_least(net.cni_version, "1.1.0") and not net.disable_gc:
+            attachments = [{"containerID": c, "ifname": i} for c, i in sorted(valid_set)]
+            extra = {VALID_ATTACHMENTS_KEY: attachments, LEGACY_ATTACHMENTS_KEY: attachments}
+            inv = self._invocation("GC")
+            for plugin in net.plugins:
+                try:
+                    await self._run(
+                        net, plugin, inv, _status_stdin(net, plugin, extra), self.timeouts.gc
+                    )
+                except CNIError as e:
+                    errors.append(str(e))
+        return GCReport(tuple(deleted), tuple(errors))
+
+    # --- VERSION and validation -----------------------------------------------
+
+    async def version(self, plugin: str, cni_version: str = "1.1.0") -> tuple[str, ...]:
+        """The versions a plugin supports (cached per binary identity)."""
+        binary = self.find(plugin, "VERSION")
+        st = os.stat(binary)
+        key = (binary, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+        if key in self._versions:
+            return self._versions[key]
+        stdin = json.dumps({"cniVersion": cni_version}).encode()
+        out = await self.executor.execute(
+            plugin, binary, self._invocation("VERSION"), stdin, self.timeouts.version
+        )
+        data = decode_json(plugin, "VERSION", out)
+        versions = data.get("supportedVersions") if isinstance(data, dict) else None
+        if not isinstance(versions, list) or not all(isinstance(v, str) for v in versions):
+            raise PluginBadOutput(plugin, "VERSION", "no supportedVersions list in the output")
+        result = tuple(versions)
+        self._versions[key] = result
+        return result
+
+    async def validate(self, net: NetworkConfigList) -> None:
+        """Raise ConfigError unless every plugin exists and supports the list's version."""
+        for plugin in net.plugins:
+            try:
+                versions = await self.version(plugin.type)
+            except (ExecError, PluginError) as e:
+                raise ConfigError(net.source or net.name, str(e)) from None
+            if net.cni_version not in versions:
+                raise ConfigError(
+                    net.source or net.name,
+                    f"plugin {plugin.type} does not support cniVersion {net.cni_version} "
+                    f"(it supports {', '.join(versions) or 'nothing'})",
+                )
+
+
+def cached_config(entry: CachedAttachment) -> NetworkConfigList | None:
+    """The list an attachment was added with (from its cache entry), if it parses."""
+    try:
+        return parse_list(entry.config, entry.path or entry.network)
+    except ConfigError:
+        return None
+
+
+def _netns_if_present(entry: CachedAttachment) -> str:
+    return entry.netns if entry.netns and is_netns(entry.netns) else ""

@@ -1,0 +1,194 @@
+"""The agent's YAML configuration (`/etc/cni-agent/agent.yaml`).
+
+A table of typed fields, frozen dataclasses, and one error type whose message
+names the file and the key: a typo must stop startup, not be ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+DEFAULT_CONFIG_PATH = "/etc/cni-agent/agent.yaml"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class ConfigFileError(Exception):
+    """The configuration file is unusable; the message is one line for the user."""
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    startup_interval: float = 0.5
+    interval: float = 5.0
+    grace_period: float = 0.0
+
+
+@dataclass(frozen=True)
+class TimeoutsConfig:
+    add: float = 120.0
+    # "del" is a Python keyword: the YAML key maps to this field.
+    delete: float = 60.0
+    check: float = 30.0
+    status: float = 10.0
+    gc: float = 60.0
+    version: float = 10.0
+    lock: float = 60.0
+    ready: float = 30.0
+
+
+@dataclass(frozen=True)
+class AccessConfig:
+    groups: tuple[str, ...] = ("cni-agent",)
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    conf_dir: str = "/etc/cni/net.d"
+    plugin_dirs: tuple[str, ...] = ("/opt/cni/bin", "/usr/libexec/cni", "/usr/lib/cni")
+    state_dir: str = "/var/lib/cni-agent"
+    runtime_dir: str = "/run/cni-agent"
+    default_network: str = ""
+    fallback_network: bool = False
+    pod_cidrs: tuple[str, ...] = ()
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
+    shutdown_drain: float = 10.0
+    access: AccessConfig = field(default_factory=AccessConfig)
+    bus: str = "system"
+    log_level: str = "info"
+    source: str = "(defaults)"
+
+    def replace(self, **changes: Any) -> AgentConfig:
+        return dataclasses.replace(self, **changes)
+
+
+_KEY_ALIASES = {"del": "delete"}
+
+
+def _fail(source: str, key: str, what: str) -> ConfigFileError:
+    return ConfigFileError(f"{source}: {key}: {what}")
+
+
+def _duration(source: str, key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _fail(source, key, f"must be a number of seconds, not {value!r}")
+    if value < 0 or not math.isfinite(value):
+        raise _fail(source, key, f"must be a non-negative number of seconds, not {value!r}")
+    return float(value)
+
+
+def _string(source: str, key: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise _fail(source, key, f"must be a string, not {value!r}")
+    return value
+
+
+def _path(source: str, key: str, value: Any) -> str:
+    text = _string(source, key, value)
+    if not text.startswith("/"):
+        raise _fail(source, key, f"must be an absolute path, not {text!r}")
+    return text
+
+
+def _bool(source: str, key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(source, key, f"must be true or false, not {value!r}")
+    return value
+
+
+def _str_list(source: str, key: str, value: Any, item: Any = _string) -> tuple[str, ...]:
+    if not isinstance(value, list):
+        raise _fail(source, key, f"must be a list, not {value!r}")
+    return tuple(item(source, f"{key}[{i}]", v) for i, v in enumerate(value))
+
+
+def _cidr(source: str, key: str, value: Any) -> str:
+    text = _string(source, key, value)
+    try:
+        return str(ipaddress.ip_network(text, strict=False))
+    except ValueError:
+        raise _fail(source, key, f"{text!r} is not a CIDR") from None
+
+
+def _log_level(source: str, key: str, value: Any) -> str:
+    text = _string(source, key, value).lower()
+    if text not in LOG_LEVELS:
+        raise _fail(source, key, f"must be one of {', '.join(LOG_LEVELS)}, not {value!r}")
+    return text
+
+
+_TOP_LEVEL = {
+    "conf_dir": _path,
+    "plugin_dirs": lambda s, k, v: _str_list(s, k, v, _path),
+    "state_dir": _path,
+    "runtime_dir": _path,
+    "default_network": _string,
+    "fallback_network": _bool,
+    "pod_cidrs": lambda s, k, v: _str_list(s, k, v, _cidr),
+    "shutdown_drain": _duration,
+    "bus": _string,
+    "log_level": _log_level,
+}
+_SECTIONS: dict[str, tuple[type[Any], Mapping[str, Any]]] = {
+    "monitor": (MonitorConfig, {f.name: _duration for f in dataclasses.fields(MonitorConfig)}),
+    "timeouts": (TimeoutsConfig, {"del" if f.name == "delete" else f.name: _duration
+                                  for f in dataclasses.fields(TimeoutsConfig)}),
+    "access": (AccessConfig, {"groups": _str_list}),
+}
+
+
+def parse_config(doc: Any, source: str) -> AgentConfig:
+    if doc is None:
+        doc = {}
+    if not isinstance(doc, dict):
+        raise ConfigFileError(f"{source}: the top level must be a mapping of keys")
+    values: dict[str, Any] = {"source": source}
+    for key, value in doc.items():
+        if key in _TOP_LEVEL:
+            values[key] = _TOP_LEVEL[key](source, key, value)
+        elif key in _SECTIONS:
+            cls, table = _SECTIONS[key]
+            if value is None:
+                value = {}
+            if not isinstance(value, dict):
+                raise _fail(source, key, "must be a mapping")
+            sub: dict[str, Any] = {}
+            for k, v in value.items():
+                if k not in table:
+                    raise _fail(source, f"{key}.{k}", "unknown key")
+                sub[_KEY_ALIASES.get(str(k), str(k))] = table[k](source, f"{key}.{k}", v)
+            values[key] = cls(**sub)
+        else:
+            raise _fail(source, str(key), "unknown key")
+    cfg = AgentConfig(**values)
+    if cfg.monitor.interval == 0 or cfg.monitor.startup_interval == 0:
+        raise _fail(source, "monitor", "intervals must be greater than 0")
+    return cfg
+
+
+def load_config(path: str | None) -> AgentConfig:
+    """Read the file; a missing default file means all defaults."""
+    source = path or DEFAULT_CONFIG_PATH
+    try:
+        with open(source, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        if path is None:
+            return AgentConfig()
+        raise ConfigFileError(f"{source}: no such file") from None
+    except OSError as e:
+        raise ConfigFileError(f"{source}: cannot read: {e.strerror}") from None
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        raise ConfigFileError(f"{source}: not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+    return parse_config(doc, source)

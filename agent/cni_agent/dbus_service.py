@@ -1,0 +1,348 @@
+"""The D-Bus adapter: `org.cniagent.Agent1` at `/org/cniagent/Agent1`.
+
+Thin on purpose: parse and check the D-Bus arguments, authorize the caller,
+call the sandbox manager or monitor, and turn every failure into one of the
+contract's error names with a message a person can act on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import math
+from collections.abc import Awaitable, Callable, Mapping
+from contextvars import ContextVar
+from typing import Any, TypeVar
+
+from dbus_fast import Message, MessageType, Variant
+from dbus_fast.constants import PropertyAccess
+from dbus_fast.errors import DBusError
+from dbus_fast.service import ServiceInterface, dbus_property, method
+
+from cni_agent.auth import Authorizer
+from cni_agent.cni.args import PodMeta
+from cni_agent.cni.errors import InvalidArgument
+from cni_agent.errors import AgentError, ErrorKind, classify
+from cni_agent.monitor import Monitor, NetworkState
+from cni_agent.podcidrs import PodCIDRs
+from cni_agent.sandbox import DEFAULT_IFNAME, NetworkRequest, SandboxManager, SetupRequest
+
+log = logging.getLogger(__name__)
+
+BUS_NAME = "org.cniagent.Agent1"
+OBJECT_PATH = "/org/cniagent/Agent1"
+INTERFACE = "org.cniagent.Agent1"
+ERROR_PREFIX = "org.cniagent.Agent1.Error."
+
+MAX_CAPABILITIES_BYTES = 64 * 1024
+MAX_JSON_DEPTH = 32
+MAX_WAIT = 24 * 3600.0
+OPTION_KEYS = {"networks": "a(ss)", "args": "a{ss}", "pod": "a{ss}", "capabilities": "s"}
+
+# Method name → the D-Bus input signature (checked before dispatch, so a wrong
+# signature is InvalidArgument, not a generic UnknownMethod).
+SIGNATURES = {
+    "Setup": "ssa{sv}", "Teardown": "ssa{sv}", "Check": "ssa{sv}", "Show": "s",
+    "ListSandboxes": "", "WaitReady": "d", "GarbageCollect": "as", "Reload": "",
+    "SetPodCIDRs": "as",
+}
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def signature(*params: str, returns: str = "") -> Callable[[F], F]:
+    """Give dbus-fast its signature strings while the code keeps real type hints.
+
+    dbus-fast reads D-Bus types from annotations; this works the same on
+    Debian's dbus-fast 1.84 and PyPI's 5.x, and keeps mypy meaningful.
+    """
+
+    def apply(fn: F) -> F:
+        names = list(inspect.signature(fn).parameters)[1:]
+        annotations: dict[str, str] = dict(zip(names, params, strict=True))
+        if returns:
+            annotations["return"] = returns
+        fn.__annotations__ = annotations
+        return fn
+
+    return apply
+
+
+def _error(e: AgentError) -> DBusError:
+    return DBusError(ERROR_PREFIX + str(e.kind), e.message)
+
+
+def _invalid(field: str, reason: str) -> AgentError:
+    return AgentError(ErrorKind.INVALID_ARGUMENT, f"{field}: {reason}")
+
+
+def _variant(options: Mapping[str, Any], key: str) -> Any:
+    v = options[key]
+    expected = OPTION_KEYS[key]
+    if not isinstance(v, Variant) or v.signature != expected:
+        got = v.signature if isinstance(v, Variant) else type(v).__name__
+        raise _invalid(f"options.{key}", f"must have D-Bus type {expected}, not {got}")
+    return v.value
+
+
+def _depth(obj: Any) -> int:
+    depth, level = 0, [obj]
+    while level:
+        depth += 1
+        nxt: list[Any] = []
+        for o in level:
+            if isinstance(o, dict):
+                nxt.extend(o.values())
+            elif isinstance(o, list):
+                nxt.extend(o)
+        level = nxt
+    return depth
+
+
+def parse_capabilities(text: str) -> dict[str, Any]:
+    if len(text.encode()) > MAX_CAPABILITIES_BYTES:
+        raise _invalid("options.capabilities", f"larger than {MAX_CAPABILITIES_BYTES} bytes")
+    try:
+        caps = json.loads(text) if text.strip() else {}
+    except (ValueError, RecursionError) as e:
+        raise _invalid("options.capabilities", f"not valid JSON: {e}") from None
+    if not isinstance(caps, dict):
+        raise _invalid("options.capabilities", "must be a JSON object")
+    if _depth(caps) > MAX_JSON_DEPTH:
+        raise _invalid("options.capabilities", f"nested deeper than {MAX_JSON_DEPTH} levels")
+    return caps
+
+
+def parse_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The `a{sv}` options of Setup/Teardown/Check, checked key by key."""
+    for key in options:
+        if key not in OPTION_KEYS:
+            raise _invalid("options", f"unknown key {key!r} (known: {', '.join(OPTION_KEYS)})")
+    out: dict[str, Any] = {}
+    if "networks" in options:
+        nets = []
+        for i, (name, ifname) in enumerate(_variant(options, "networks")):
+            nets.append(NetworkRequest(name, ifname or (DEFAULT_IFNAME if i == 0 else f"net{i}")))
+        out["networks"] = tuple(nets)
+    if "args" in options:
+        out["args"] = tuple(_variant(options, "args").items())
+    if "pod" in options:
+        pod = dict(_variant(options, "pod"))
+        unknown = set(pod) - {"namespace", "name", "uid"}
+        if unknown:
+            raise _invalid("options.pod", f"unknown key {sorted(unknown)[0]!r} (known: namespace, name, uid)")
+        if not pod.get("namespace") or not pod.get("name"):
+            raise _invalid("options.pod", "needs both namespace and name")
+        out["pod"] = PodMeta(pod["namespace"], pod["name"], pod.get("uid", ""))
+    if "capabilities" in options:
+        out["capabilities"] = parse_capabilities(_variant(options, "capabilities"))
+    return out
+
+
+class InFlight:
+    """Counts requests being served, so shutdown can wait for them."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def __enter__(self) -> None:
+        self.count += 1
+        self._idle.clear()
+
+    def __exit__(self, *exc: object) -> None:
+        self.count -= 1
+        if self.count == 0:
+            self._idle.set()
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
+
+class AgentInterface(ServiceInterface):
+    def __init__(
+        self,
+        manager: SandboxManager,
+        monitor: Monitor,
+        pod_cidrs: PodCIDRs,
+        authorizer: Authorizer,
+        reload: Callable[[], Awaitable[None]],
+    ) -> None:
+        super().__init__(INTERFACE)
+        self.manager = manager
+        self.monitor = monitor
+        self.pod_cidrs = pod_cidrs
+        self.authorizer = authorizer
+        self._reload = reload
+        self.in_flight = InFlight()
+        self._caller: ContextVar[str | None] = ContextVar("cni_agent_caller", default=None)
+        self._shown = monitor.state
+
+    # --- plumbing -------------------------------------------------------------------
+
+    def message_handler(self, msg: Message) -> Message | None:
+        """Runs for every incoming message before dispatch (see `bus.add_message_handler`).
+
+        Stores the sender for the handler task about to be created (a task
+        copies the context at creation), and answers wrong signatures.
+        """
+        if msg.message_type is not MessageType.METHOD_CALL or msg.path != OBJECT_PATH:
+            return None
+        self._caller.set(msg.sender)
+        if msg.interface in (INTERFACE, None) and msg.member in SIGNATURES:
+            expected = SIGNATURES[msg.member]
+            if (msg.signature or "") != expected:
+                return Message.new_error(
+                    msg, ERROR_PREFIX + "InvalidArgument",
+                    f"{msg.member} takes arguments ({expected}), not ({msg.signature or ''})",
+                )
+        return None
+
+    async def _serve(self, name: str, work: Callable[[], Awaitable[Any]], mutating: bool = True) -> Any:
+        with self.in_flight:
+            try:
+                if mutating:
+                    await self.authorizer.require(self._caller.get(), name)
+                return await work()
+            except AgentError as e:
+                raise _error(e) from None
+            except DBusError:
+                raise
+            except Exception as e:
+                if not isinstance(e, InvalidArgument):
+                    log.exception("%s failed unexpectedly", name)
+                raise _error(classify(e)) from None
+
+    def on_state(self, state: NetworkState) -> None:
+        """Monitor listener: announce exactly the properties that changed."""
+        old, self._shown = self._shown, state
+        changed: dict[str, Any] = {}
+        if old.ready != state.ready:
+            changed["NetworkReady"] = state.ready
+        if old.status != state.status:
+            changed["Status"] = state.status
+        if old.default_network != state.default_network:
+            changed["DefaultNetwork"] = state.default_network
+        if old.networks != state.networks:
+            changed["Networks"] = list(state.networks)
+        if old.last_error != state.last_error:
+            changed["LastError"] = state.last_error
+        if changed:
+            self.emit_properties_changed(changed)
+
+    # --- properties -------------------------------------------------------------------
+
+    @dbus_property(access=PropertyAccess.READ)
+    @signature(returns="b")
+    def NetworkReady(self) -> bool:
+        return self._shown.ready
+
+    @dbus_property(access=PropertyAccess.READ)
+    @signature(returns="s")
+    def Status(self) -> str:
+        return self._shown.status
+
+    @dbus_property(access=PropertyAccess.READ)
+    @signature(returns="s")
+    def DefaultNetwork(self) -> str:
+        return self._shown.default_network
+
+    @dbus_property(access=PropertyAccess.READ)
+    @signature(returns="as")
+    def Networks(self) -> list[str]:
+        return list(self._shown.networks)
+
+    @dbus_property(access=PropertyAccess.READ)
+    @signature(returns="s")
+    def LastError(self) -> str:
+        return self._shown.last_error
+
+    @dbus_property(access=PropertyAccess.READ)
+    @signature(returns="as")
+    def PodCIDRs(self) -> list[str]:
+        return list(self.pod_cidrs.cidrs)
+
+    # --- methods ------------------------------------------------------------------------
+
+    @method()
+    @signature("s", "s", "a{sv}", returns="s")
+    async def Setup(self, sandbox_id: str, netns: str, options: dict[str, Variant]) -> str:
+        async def work() -> str:
+            opts = parse_options(options)
+            req = SetupRequest(sandbox_id, netns, opts.get("networks", ()), opts.get("args", ()),
+                               opts.get("pod"), opts.get("capabilities", {}))
+            return json.dumps(await self.manager.setup(req))
+
+        result: str = await self._serve("Setup", work)
+        return result
+
+    @method()
+    @signature("s", "s", "a{sv}")
+    async def Teardown(self, sandbox_id: str, netns: str, options: dict[str, Variant]) -> None:
+        async def work() -> None:
+            parse_options(options)
+            await self.manager.teardown(sandbox_id, netns)
+
+        await self._serve("Teardown", work)
+
+    @method()
+    @signature("s", "s", "a{sv}")
+    async def Check(self, sandbox_id: str, netns: str, options: dict[str, Variant]) -> None:
+        async def work() -> None:
+            parse_options(options)
+            await self.manager.check(sandbox_id, netns)
+
+        await self._serve("Check", work)
+
+    @method()
+    @signature("s", returns="s")
+    async def Show(self, sandbox_id: str) -> str:
+        async def work() -> str:
+            return json.dumps(await self.manager.show(sandbox_id))
+
+        result: str = await self._serve("Show", work)
+        return result
+
+    @method()
+    @signature(returns="as")
+    async def ListSandboxes(self) -> list[str]:
+        result: list[str] = await self._serve("ListSandboxes", self.manager.list)
+        return result
+
+    @method()
+    @signature("d", returns="b")
+    async def WaitReady(self, timeout_seconds: float) -> bool:
+        async def work() -> bool:
+            if not math.isfinite(timeout_seconds) or timeout_seconds < 0:
+                raise _invalid("timeout_seconds", "must be a non-negative number of seconds")
+            return await self.monitor.wait_ready(min(timeout_seconds, MAX_WAIT))
+
+        result: bool = await self._serve("WaitReady", work, mutating=False)
+        return result
+
+    @method()
+    @signature("as")
+    async def GarbageCollect(self, valid_sandbox_ids: list[str]) -> None:
+        async def work() -> None:
+            await self.manager.garbage_collect(valid_sandbox_ids)
+
+        await self._serve("GarbageCollect", work)
+
+    @method()
+    @signature()
+    async def Reload(self) -> None:
+        await self._serve("Reload", self._reload)
+
+    @method()
+    @signature("as")
+    async def SetPodCIDRs(self, cidrs: list[str]) -> None:
+        async def work() -> None:
+            before = self.pod_cidrs.cidrs
+            after = await self.pod_cidrs.set(cidrs)
+            if after != before:
+                self.emit_properties_changed({"PodCIDRs": list(after)})
+
+        await self._serve("SetPodCIDRs", work)

@@ -1,0 +1,59 @@
+"""Agent-level errors: each maps to exactly one D-Bus error name.
+
+The core raises these (or `cni_agent.cni` errors, classified here), so the
+D-Bus layer is a lookup, never a guess.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from cni_agent.cni.errors import (
+    CacheError,
+    ConfigError,
+    ExecError,
+    InvalidArgument,
+    PluginError,
+    PluginTimeout,
+    ResultError,
+)
+from cni_agent.locks import LockTimeout
+
+
+class ErrorKind(StrEnum):
+    INVALID_ARGUMENT = "InvalidArgument"
+    NOT_READY = "NotReady"
+    NOT_FOUND = "NotFound"
+    BUSY = "Busy"
+    PLUGIN_FAILED = "PluginFailed"
+    TIMEOUT = "Timeout"
+    ACCESS_DENIED = "AccessDenied"
+    SHUTTING_DOWN = "ShuttingDown"
+
+
+class AgentError(Exception):
+    """A failure a caller can act on: a kind and one human line."""
+
+    def __init__(self, kind: ErrorKind, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+
+
+def classify(exc: BaseException) -> AgentError:
+    """The agent error for any exception the core can raise."""
+    if isinstance(exc, AgentError):
+        return exc
+    if isinstance(exc, InvalidArgument):
+        return AgentError(ErrorKind.INVALID_ARGUMENT, str(exc))
+    if isinstance(exc, PluginTimeout):
+        return AgentError(ErrorKind.TIMEOUT, str(exc))
+    if isinstance(exc, LockTimeout):
+        return AgentError(ErrorKind.BUSY, str(exc))
+    if isinstance(exc, PluginError | ExecError | ResultError):
+        return AgentError(ErrorKind.PLUGIN_FAILED, str(exc))
+    if isinstance(exc, ConfigError):
+        return AgentError(ErrorKind.NOT_READY, str(exc))
+    if isinstance(exc, CacheError | OSError):
+        return AgentError(ErrorKind.PLUGIN_FAILED, f"agent state error: {exc}")
+    return AgentError(ErrorKind.PLUGIN_FAILED, f"internal error: {type(exc).__name__}: {exc}")

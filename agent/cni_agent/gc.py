@@ -1,0 +1,179 @@
+"""Garbage collection and reaping: the leaks users hit after crashes and reboots.
+
+Three jobs, all under the node-wide GC lock (exclusive of every ADD and DEL):
+- finish what a killed agent left half-done (records not "ready" are rolled
+  back with DEL, using the exact config bytes recorded before the first ADD);
+- DEL cached attachments whose sandbox is gone: its namespace was deleted, or
+  its path now names another namespace (the reboot case), or — on demand —
+  the runtime says it is not valid. Such DELs get an empty netns: a reused
+  path must never reach a plugin;
+- send the GC verb with the live attachments (CNI >= 1.1.0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+
+from cni_agent.cni.cache import CachedAttachment
+from cni_agent.cni.config import NetworkConfigList, parse_list
+from cni_agent.cni.errors import CNIError, ConfigError
+from cni_agent.cni.runtime import CNIRuntime, RuntimeConf, cached_config
+from cni_agent.locks import RWLock
+from cni_agent.netns import is_netns, netns_identity
+from cni_agent.records import Phase, SandboxRecord, SandboxStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GCReport:
+    rolled_back: list[str] = field(default_factory=list)
+    deleted: list[tuple[str, str, str]] = field(default_factory=list)  # network, sandbox, ifname
+    errors: list[str] = field(default_factory=list)
+
+
+def record_netns(rec: SandboxRecord | None) -> str:
+    """The record's netns path if it still names the namespace recorded at ADD, else ""."""
+    if rec is None or not rec.netns or rec.netns_id is None:
+        return ""
+    return rec.netns if netns_identity(rec.netns) == rec.netns_id else ""
+
+
+async def rollback(runtime: CNIRuntime, store: SandboxStore, rec: SandboxRecord) -> list[str]:
+    """DEL every attachment of a record (reverse order); drop it when all succeeded.
+
+    Returns the errors; on any error the record stays (phase "deleting" or
+    "adding") with only the attachments still to remove, for the next attempt.
+    """
+    netns = record_netns(rec)
+    errors: list[str] = []
+    remaining = []
+    for intent in reversed(rec.attachments):
+        rt = RuntimeConf(rec.sandbox_id, netns, intent.ifname, intent.args, dict(intent.capabilities))
+        try:
+            net = parse_list(intent.config, f"record of {rec.sandbox_id}")
+            await runtime.delete(net, rt)
+        except CNIError as e:
+            errors.append(f"{intent.network}/{intent.ifname}: {e}")
+            remaining.append(intent)
+    if remaining:
+        kept = SandboxRecord(rec.sandbox_id, rec.netns, rec.netns_id, rec.phase,
+                             tuple(reversed(remaining)), rec.request)
+        await asyncio.to_thread(store.write, kept)
+    else:
+        await asyncio.to_thread(store.delete, rec.sandbox_id)
+    return errors
+
+
+class Reaper:
+    def __init__(
+        self,
+        runtime: CNIRuntime,
+        store: SandboxStore,
+        gc_lock: RWLock,
+        networks: Callable[[], Sequence[NetworkConfigList]],
+        lock_timeout: float | None = None,
+    ) -> None:
+        self.runtime = runtime
+        self.store = store
+        self.gc_lock = gc_lock
+        self._networks = networks
+        self._lock_timeout = lock_timeout
+
+    async def recover(self) -> GCReport:
+        """Start-up: finish or undo what a killed agent left half-done."""
+        async with self.gc_lock.write(self._lock_timeout):
+            report = GCReport()
+            await self._finish_incomplete(report)
+            return report
+
+    async def collect(self, valid_ids: Collection[str] | None = None) -> GCReport:
+        """Reap stale attachments and send GC; `valid_ids` overrides liveness detection."""
+        async with self.gc_lock.write(self._lock_timeout):
+            report = GCReport()
+            await self._finish_incomplete(report)
+            await self._reap(report, None if valid_ids is None else set(valid_ids))
+            for err in report.errors:
+                log.warning("gc: %s", err)
+            if report.deleted or report.rolled_back:
+                log.info("gc: removed %d stale attachment(s), rolled back %d sandbox(es)",
+                         len(report.deleted), len(report.rolled_back))
+            return report
+
+    async def _finish_incomplete(self, report: GCReport) -> None:
+        records, bad = await asyncio.to_thread(self.store.all)
+        for sid in bad:
+            report.errors.append(f"sandbox record {sid} is unreadable; left in place")
+        for rec in records:
+            if rec.phase is Phase.READY:
+                continue
+            errors = await rollback(self.runtime, self.store, rec)
+            if errors:
+                report.errors.extend(f"sandbox {rec.sandbox_id}: {e}" for e in errors)
+            else:
+                report.rolled_back.append(rec.sandbox_id)
+                log.info("rolled back sandbox %s (interrupted while %s)", rec.sandbox_id, rec.phase)
+
+    async def _reap(self, report: GCReport, valid_ids: set[str] | None) -> None:
+        records = {r.sandbox_id: r for r in (await asyncio.to_thread(self.store.all))[0]}
+        entries = await asyncio.to_thread(self.runtime.cache.all)
+
+        def live(entry: CachedAttachment) -> bool:
+            if valid_ids is not None:
+                return entry.container_id in valid_ids
+            rec = records.get(entry.container_id)
+            if rec is not None:
+                return rec.phase is Phase.READY and bool(record_netns(rec))
+            # Written by another tool: no identity recorded, the path must still be a netns.
+            return bool(entry.netns) and is_netns(entry.netns)
+
+        def netns_for(entry: CachedAttachment) -> str:
+            rec = records.get(entry.container_id)
+            if rec is not None:
+                return record_netns(rec)
+            return entry.netns if entry.netns and is_netns(entry.netns) else ""
+
+        configured = {n.name: n for n in self._networks()}
+        by_network: dict[str, list[CachedAttachment]] = {}
+        for entry in entries:
+            by_network.setdefault(entry.network, []).append(entry)
+        for name in sorted(set(configured) | set(by_network)):
+            net = configured.get(name) or _first_config(by_network.get(name, []))
+            if net is None:
+                report.errors.append(f"network {name}: no usable config to DEL its stale attachments")
+                continue
+            valid = [(e.container_id, e.ifname) for e in by_network.get(name, []) if live(e)]
+            result = await self.runtime.gc(net, valid, netns_for=netns_for)
+            report.deleted.extend((name, cid, ifname) for cid, ifname in result.deleted)
+            report.errors.extend(f"network {name}: {e}" for e in result.errors)
+        await self._prune_records(records)
+
+    async def _prune_records(self, records: dict[str, SandboxRecord]) -> None:
+        """Drop attachments whose cache entries GC removed; drop empty records."""
+        for rec in records.values():
+            if rec.phase is not Phase.READY:
+                continue
+            cached = {(e.network, e.ifname) for e in
+                      await asyncio.to_thread(self.runtime.cache.for_container, rec.sandbox_id)}
+            kept = tuple(a for a in rec.attachments if (a.network, a.ifname) in cached)
+            if kept == rec.attachments:
+                continue
+            if kept:
+                await asyncio.to_thread(self.store.write, SandboxRecord(
+                    rec.sandbox_id, rec.netns, rec.netns_id, rec.phase, kept, rec.request))
+            else:
+                await asyncio.to_thread(self.store.delete, rec.sandbox_id)
+
+
+def _first_config(entries: list[CachedAttachment]) -> NetworkConfigList | None:
+    for entry in entries:
+        try:
+            net = cached_config(entry)
+        except ConfigError:
+            net = None
+        if net is not None:
+            return net
+    return None

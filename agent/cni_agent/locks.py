@@ -1,0 +1,235 @@
+"""Per-sandbox locks and the node's GC readers-writer lock.
+
+Sandbox operations (ADD/DEL/CHECK) take `RWLock.read()` and then
+`SandboxLocks.hold(id)`; GC takes `RWLock.write()`, so it excludes them all.
+Every wait only awaits on the event loop (the file lock is polled with LOCK_NB
+rather than blocking a thread), so the loop stays responsive, deadlines are
+exact and cancellation takes effect at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import os
+from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+
+_MAX_ID_BYTES = 200
+_POLL_MIN = 0.005  # first retry is quick: most contention is a short ADD/DEL
+_POLL_MAX = 0.05  # ...but a long wait should not spin
+_OPEN_FLAGS = os.O_CREAT | os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
+
+
+class LockTimeout(Exception):
+    """A lock was not acquired within its timeout; callers report CNI "Busy"."""
+
+    def __init__(self, key: str, timeout: float, what: str | None = None) -> None:
+        self.key = key
+        self.timeout = timeout
+        super().__init__(f"{what or key} is busy: lock not acquired within {timeout:g}s")
+
+
+def _lock_name(sandbox_id: str) -> str:
+    # Callers validate ids already, but a root process creating and unlinking
+    # files defends anyway: the name must be one plain path component.
+    if sandbox_id in ("", ".", "..") or "/" in sandbox_id or "\0" in sandbox_id:
+        raise ValueError(f"invalid sandbox id for a lock file: {sandbox_id!r}")
+    if len(os.fsencode(sandbox_id)) > _MAX_ID_BYTES:
+        raise ValueError(f"sandbox id longer than {_MAX_ID_BYTES} bytes: {sandbox_id[:32]!r}...")
+    return sandbox_id + ".lock"
+
+
+def _same_file(fd: int, path: str) -> bool:
+    """Whether `fd` still is the file at `path` (its holder may have unlinked it)."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    fst = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino)
+
+
+def _unlock(path: str, fd: int) -> None:
+    # Unlink *before* releasing: anyone who opened this inode and gets the lock
+    # after us then sees it is no longer at `path` and retries on a fresh file.
+    # So two holders can never lock different inodes "at" one path, and lock
+    # files exist only while held or contended.
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class SandboxLocks:
+    """One lock per sandbox id: FIFO within this process, flock across processes.
+
+    Within the process, waiters for an id queue in arrival order and only the
+    head tries the file lock, so a late ADD can never overtake an earlier DEL.
+    Not reentrant: holding an id and asking for it again times out.
+    """
+
+    def __init__(self, lock_dir: str) -> None:
+        self._dir = os.path.abspath(lock_dir)
+        # Per id, the waiters in arrival order; the head holds or is acquiring.
+        # An id's entry is dropped when its last waiter leaves.
+        self._queues: dict[str, deque[asyncio.Future[None]]] = {}
+        self._held: set[str] = set()
+
+    def held(self) -> list[str]:
+        """Ids currently held by this process (diagnostics and tests)."""
+        return sorted(self._held)
+
+    def hold(self, sandbox_id: str, timeout: float) -> AbstractAsyncContextManager[None]:
+        """Hold the lock of `sandbox_id`; LockTimeout if not acquired within `timeout`."""
+        path = os.path.join(self._dir, _lock_name(sandbox_id))
+        if os.path.dirname(path) != self._dir:  # cannot happen; never trust it blindly
+            raise ValueError(f"lock file for {sandbox_id!r} would escape {self._dir}")
+        return self._hold(sandbox_id, path, timeout)
+
+    @asynccontextmanager
+    async def _hold(self, sandbox_id: str, path: str, limit: float) -> AsyncIterator[None]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit  # one budget for queueing and the file lock
+        queue = self._queues.setdefault(sandbox_id, deque())
+        me: asyncio.Future[None] = loop.create_future()
+        queue.append(me)
+        fd = -1
+        try:
+            if queue[0] is not me:
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        await me  # resolved by the previous head as it leaves
+                except TimeoutError:
+                    raise LockTimeout(sandbox_id, limit, f"sandbox {sandbox_id}") from None
+            delay = _POLL_MIN
+            while (fd := self._try_flock(path)) < 0:  # held by another process
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise LockTimeout(sandbox_id, limit, f"sandbox {sandbox_id}")
+                await asyncio.sleep(min(delay, remaining))
+                delay = min(delay * 2, _POLL_MAX)
+            self._held.add(sandbox_id)
+            yield
+        finally:
+            # However we leave (done, timeout, cancellation), leave no trace and,
+            # if we were the head, hand over to the next waiter in line.
+            if fd >= 0:
+                self._held.discard(sandbox_id)
+                _unlock(path, fd)
+            was_head = queue[0] is me
+            queue.remove(me)
+            if not queue:
+                del self._queues[sandbox_id]
+            elif was_head and not queue[0].done():
+                # A done (cancelled) next head hands over itself in its finally.
+                queue[0].set_result(None)
+
+    def _try_flock(self, path: str) -> int:
+        """One non-blocking attempt: the fd holding the lock, or -1 if held elsewhere.
+
+        Plain syscalls on a local runtime dir: cheap enough for the event loop.
+        """
+        for _ in range(8):  # a stale inode means its holder just left: retry now
+            try:
+                fd = os.open(path, _OPEN_FLAGS, 0o600)
+            except FileNotFoundError:
+                os.makedirs(self._dir, mode=0o700, exist_ok=True)  # lazily, first use
+                continue
+            locked = False
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                locked = _same_file(fd, path)
+            except BlockingIOError:
+                return -1
+            finally:
+                if not locked:
+                    os.close(fd)
+            if locked:
+                return fd
+        return -1
+
+
+class RWLock:
+    """Asyncio readers-writer lock, writer-preferring and FIFO among writers.
+
+    Once a writer waits, new readers queue behind it, so a steady stream of
+    sandbox operations can never starve GC. Timeouts raise LockTimeout(name).
+    """
+
+    def __init__(self, name: str = "gc") -> None:
+        self._name = name
+        self._readers = 0
+        self._writer = False
+        self._waiting_readers: deque[asyncio.Future[None]] = deque()
+        self._waiting_writers: deque[asyncio.Future[None]] = deque()
+
+    def read(self, timeout: float | None = None) -> AbstractAsyncContextManager[None]:
+        return self._acquire(False, timeout)
+
+    def write(self, timeout: float | None = None) -> AbstractAsyncContextManager[None]:
+        return self._acquire(True, timeout)
+
+    @asynccontextmanager
+    async def _acquire(self, write: bool, limit: float | None) -> AsyncIterator[None]:
+        # Waiting readers exist only behind an active or waiting writer, so
+        # these checks also keep arrival order.
+        if not self._writer and not self._waiting_writers and (not write or not self._readers):
+            if write:
+                self._writer = True
+            else:
+                self._readers += 1
+        else:
+            await self._wait(write, limit)  # on return the lock was granted to us
+        try:
+            yield
+        finally:
+            self._release(write)
+
+    async def _wait(self, write: bool, limit: float | None) -> None:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        queue = self._waiting_writers if write else self._waiting_readers
+        queue.append(fut)
+        granted = False
+        try:
+            async with asyncio.timeout(limit):
+                await fut
+            granted = True
+        except TimeoutError:
+            raise LockTimeout(self._name, limit or 0.0) from None
+        finally:
+            if not granted:
+                if fut.done() and not fut.cancelled():
+                    self._release(write)  # granted just as we gave up: hand it back
+                else:
+                    if fut in queue:
+                        queue.remove(fut)
+                    self._wake()  # a writer giving up may free the readers behind it
+
+    def _release(self, write: bool) -> None:
+        if write:
+            self._writer = False
+        else:
+            self._readers -= 1
+        self._wake()
+
+    def _wake(self) -> None:
+        """Grant the lock to whoever is next, by updating state on their behalf."""
+        if self._writer:
+            return
+        writers = self._waiting_writers
+        while writers and writers[0].done():  # cancelled, its task not yet resumed
+            writers.popleft()
+        if writers:
+            if not self._readers:
+                self._writer = True
+                writers.popleft().set_result(None)
+            return  # writer preference: readers stay queued behind it
+        while self._waiting_readers:
+            fut = self._waiting_readers.popleft()
+            if not fut.done():
+                self._readers += 1
+                fut.set_result(None)

@@ -1,0 +1,389 @@
+"""Network readiness: a state machine fed by STATUS polls and file events.
+
+NetworkReady is true exactly when the default network is valid and its
+STATUS succeeds. Phase 1 polls every `startup_interval` until the first
+success, phase 2 every `interval`, forever; file events (config or plugin
+binary changed) re-evaluate at once. Readers never wait on a plugin: the
+state is an immutable snapshot replaced after each evaluation, and no lock
+is held across an exec.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from cni_agent.cni.config import InvalidNetwork, NetworkConfigList, load_dir
+from cni_agent.cni.errors import CNIError, ConfigError
+from cni_agent.cni.runtime import CNIRuntime
+from cni_agent.watch import DirWatcher
+
+log = logging.getLogger(__name__)
+
+Listener = Callable[["NetworkState"], None]
+
+
+@dataclass(frozen=True)
+class NetworkState:
+    ready: bool
+    status: str
+    default_network: str = ""
+    networks: tuple[str, ...] = ()
+    last_error: str = ""
+    invalid: tuple[InvalidNetwork, ...] = ()
+    # STATUS failures of networks other than the default (informational).
+    network_errors: tuple[tuple[str, str], ...] = field(default=())
+
+
+STARTING = NetworkState(False, "Starting: network not checked yet", last_error="not checked yet")
+STOPPED = NetworkState(False, "Stopping: network not ready (shutting down)", last_error="shutting down")
+
+
+@dataclass(frozen=True)
+class _Evaluation:
+    """What one look at the disk and the plugins found."""
+
+    networks: tuple[NetworkConfigList, ...]
+    invalid: tuple[InvalidNetwork, ...]
+    default: NetworkConfigList | None
+    error: str  # why the default cannot serve ADD; "" when it can
+    status_failure: bool  # the error came from STATUS (grace period applies)
+    others: tuple[tuple[str, str], ...]
+
+
+class Monitor:
+    def __init__(
+        self,
+        runtime: CNIRuntime,
+        conf_dir: str,
+        *,
+        default_network: str = "",
+        fallback: NetworkConfigList | None = None,
+        startup_interval: float = 0.5,
+        interval: float = 5.0,
+        grace_period: float = 0.0,
+        watch_dirs: tuple[str, ...] | None = None,
+        on_ready: Callable[[], Awaitable[None]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.runtime = runtime
+        self.conf_dir = conf_dir
+        self.pinned = default_network
+        self.fallback = fallback
+        self.startup_interval = startup_interval
+        self.interval = interval
+        self.grace_period = grace_period
+        self._watch_dirs = (conf_dir, *runtime.plugin_dirs) if watch_dirs is None else watch_dirs
+        self._on_ready = on_ready
+        self._clock = clock
+
+        self.state = STARTING
+        self._networks: dict[str, NetworkConfigList] = {}
+        self._default: NetworkConfigList | None = None
+        self._healthy = False  # the real verdict, kept while shutting down
+        self._ever_ready = False
+        self._failing_since: float | None = None
+        self._listeners: list[Listener] = []
+        self._waiters: set[asyncio.Future[bool]] = set()
+        self._wake = asyncio.Event()
+        self._requested = 0
+        self._completed = 0
+        self._evaluated = asyncio.Condition()
+        self._task: asyncio.Task[None] | None = None
+        self._gc_task: asyncio.Task[None] | None = None
+        self._gc_again = False
+        self._watcher: DirWatcher | None = None
+        self._stopped = False
+
+    # --- what readers see (never blocks) ------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self.state.ready
+
+    @property
+    def healthy(self) -> bool:
+        """Whether the default network can serve ADD, even while shutting down."""
+        return self._healthy
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+    def network(self, name: str) -> NetworkConfigList | None:
+        return self._networks.get(name)
+
+    def default(self) -> NetworkConfigList | None:
+        return self._default
+
+    def networks(self) -> tuple[NetworkConfigList, ...]:
+        return tuple(self._networks.values())
+
+    def subscribe(self, listener: Listener) -> Callable[[], None]:
+        """Call `listener(state)` on every change, in order; returns an unsubscribe."""
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener) if listener in self._listeners else None
+
+    async def wait_ready(self, timeout: float | None) -> bool:
+        """True as soon as ready; False on timeout or shutdown."""
+        if self.state.ready:
+            return True
+        if self._stopped:
+            return False
+        # No await between the check above and registering: no lost wake-up.
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._waiters.add(fut)
+        try:
+            async with asyncio.timeout(timeout):
+                return await fut
+        except TimeoutError:
+            return False
+        finally:
+            self._waiters.discard(fut)
+
+    @property
+    def waiter_count(self) -> int:
+        return len(self._waiters)
+
+    # --- lifecycle -----------------------------------------------------------
+
+    async def start(self, watch: bool = True) -> None:
+        if watch:
+            self._watcher = DirWatcher(self._watch_dirs, self._on_file_event, self._on_watch_error)
+            try:
+                await self._watcher.start()
+            except Exception as e:  # polling still works; say so
+                self._on_watch_error(f"cannot start watching: {e}")
+        self._task = asyncio.create_task(self._loop(), name="cni-agent-monitor")
+
+    def trigger(self, reason: str = "") -> None:
+        """Re-evaluate as soon as possible (file event, reload)."""
+        if reason:
+            log.debug("re-evaluating: %s", reason)
+        self._requested += 1
+        self._wake.set()
+
+    async def reload(self) -> NetworkState:
+        """Re-read everything now; returns once an evaluation started after this call ended."""
+        self.trigger("reload requested")
+        target = self._requested
+        async with self._evaluated:
+            await self._evaluated.wait_for(lambda: self._completed >= target or self._stopped)
+        return self.state
+
+    def begin_shutdown(self) -> None:
+        """Report not-ready at once and wake every waiter with False."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._publish(STOPPED)
+        for fut in list(self._waiters):
+            if not fut.done():
+                fut.set_result(False)
+
+    async def stop(self) -> None:
+        """Stop polling, watching and any GC; nothing is left running."""
+        self.begin_shutdown()
+        tasks = [t for t in (self._task, self._gc_task) if t is not None]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        if self._watcher is not None:
+            await self._watcher.stop()
+        async with self._evaluated:
+            self._evaluated.notify_all()
+
+    # --- the loop -------------------------------------------------------------
+
+    def _on_file_event(self, reason: str) -> None:
+        self.trigger(reason)
+
+    def _on_watch_error(self, reason: str) -> None:
+        log.warning("file watching failed, falling back to polling: %s", reason)
+
+    def _delay(self) -> float:
+        delay = self.interval if self._ever_ready else self.startup_interval
+        if self._watcher is not None and not self._watcher.healthy:
+            delay = min(delay, 1.0)  # no events: rescan the disk more often
+        if self._failing_since is not None:  # re-check when the grace period ends
+            remaining = self._failing_since + self.grace_period - self._clock()
+            delay = min(delay, max(remaining, 0.01))
+        return delay
+
+    async def _loop(self) -> None:
+        while not self._stopped:
+            self._wake.clear()
+            started = self._requested
+            try:
+                found = await self._evaluate()
+                self._apply(found)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # monitoring must never stop
+                log.exception("readiness evaluation failed")
+                self._apply_error(f"internal error while checking the network: {e}")
+            self._completed = max(self._completed, started)
+            async with self._evaluated:
+                self._evaluated.notify_all()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._delay()):
+                    await self._wake.wait()
+
+    async def _evaluate(self) -> _Evaluation:
+        loaded = await asyncio.to_thread(load_dir, self.conf_dir)
+        valid: list[NetworkConfigList] = []
+        invalid = list(loaded.invalid)
+        for net in loaded.networks:
+            try:
+                await self.runtime.validate(net)
+            except ConfigError as e:
+                invalid.append(InvalidNetwork(e.source, e.reason, net.name))
+            else:
+                valid.append(net)
+        default, error = self._choose_default(valid, invalid)
+        if default is not None and default not in valid:
+            valid.append(default)  # the fallback
+        status_failure = False
+        others: list[tuple[str, str]] = []
+        # Concurrently: a hanging plugin of another network must not delay the default's verdict.
+        failures = await asyncio.gather(*(self._status(net) for net in valid))
+        for net, failure in zip(valid, failures, strict=True):
+            if failure is None:
+                continue
+            if net is default:
+                error, status_failure = f"network {net.name}: {failure}", True
+            else:
+                others.append((net.name, str(failure)))
+        return _Evaluation(tuple(valid), tuple(invalid), default, error, status_failure, tuple(others))
+
+    async def _status(self, net: NetworkConfigList) -> CNIError | None:
+        try:
+            await self.runtime.status(net)
+        except CNIError as e:
+            return e
+        return None
+
+    def _choose_default(
+        self, valid: list[NetworkConfigList], invalid: list[InvalidNetwork]
+    ) -> tuple[NetworkConfigList | None, str]:
+        if self.pinned:
+            for net in valid:
+                if net.name == self.pinned:
+                    return net, ""
+            for bad in invalid:
+                if bad.name == self.pinned:
+                    return None, f"default network {self.pinned} is invalid: {bad.source}: {bad.reason}"
+            return None, (
+                f'default network {self.pinned} not found: expected a file in {self.conf_dir} '
+                f'with "name": "{self.pinned}"'
+            )
+        if valid:
+            return valid[0], ""
+        if self.fallback is not None:
+            return self.fallback, ""
+        why = f"no valid CNI network configuration in {self.conf_dir}"
+        if invalid:
+            why += f" ({invalid[0].source}: {invalid[0].reason})"
+        return None, why + ". Has your network provider started?"
+
+    def _apply(self, found: _Evaluation) -> None:
+        self._networks = {n.name: n for n in found.networks}
+        self._default = found.default
+        now = self._clock()
+        if not found.error:
+            self._failing_since = None
+            healthy = True
+        elif found.status_failure and self.grace_period > 0 and self._healthy:
+            # A STATUS failure must last the grace period before it counts.
+            if self._failing_since is None:
+                self._failing_since = now
+                log.warning("default network failing, grace period %gs: %s", self.grace_period, found.error)
+            healthy = now - self._failing_since < self.grace_period
+            if not healthy:
+                self._failing_since = None
+        else:
+            self._failing_since = None
+            healthy = False
+        names = tuple(n.name for n in found.networks)
+        default = found.default.name if found.default else ""
+        if healthy:
+            state = NetworkState(
+                True, _ready_text(default, names, found), default, names, "", found.invalid,
+                found.others,
+            )
+        else:
+            state = NetworkState(
+                False, f"Network not ready: {found.error}", default, names, found.error,
+                found.invalid, found.others,
+            )
+        self._set_health(healthy, state)
+
+    def _apply_error(self, error: str) -> None:
+        state = NetworkState(False, f"Network not ready: {error}", "", self.state.networks, error)
+        self._set_health(False, state)
+
+    def _set_health(self, healthy: bool, state: NetworkState) -> None:
+        became_ready = healthy and not self._healthy
+        if healthy != self._healthy:
+            log.info("%s", state.status)
+        self._healthy = healthy
+        if became_ready:
+            self._ever_ready = True
+        if self._stopped:
+            return  # the public state stays "shutting down"
+        self._publish(state)
+        if became_ready:
+            for fut in list(self._waiters):
+                if not fut.done():
+                    fut.set_result(True)
+            self._start_gc()
+
+    def _publish(self, state: NetworkState) -> None:
+        if state == self.state:
+            return
+        self.state = state
+        for listener in list(self._listeners):
+            try:
+                listener(state)
+            except Exception:
+                log.exception("readiness listener failed")
+
+    # --- GC on every transition to ready --------------------------------------
+
+    def _start_gc(self) -> None:
+        if self._on_ready is None:
+            return
+        if self._gc_task is not None and not self._gc_task.done():
+            self._gc_again = True
+            return
+        self._gc_task = asyncio.create_task(self._run_gc(), name="cni-agent-gc")
+
+    async def _run_gc(self) -> None:
+        assert self._on_ready is not None
+        while True:
+            self._gc_again = False
+            try:
+                await self._on_ready()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("garbage collection failed (will retry on the next recovery)")
+            if not self._gc_again or self._stopped:
+                return
+
+
+def _ready_text(default: str, names: tuple[str, ...], found: _Evaluation) -> str:
+    count = f"{len(names)} network{'s' if len(names) != 1 else ''}"
+    text = f"Network ready: default network {default} ({count})"
+    notes = [f"network {name}: {err}" for name, err in found.others]
+    if found.invalid:
+        first = found.invalid[0]
+        more = f" and {len(found.invalid) - 1} more" if len(found.invalid) > 1 else ""
+        notes.append(f"invalid config {first.source}: {first.reason}{more}")
+    return text + ("; " + "; ".join(notes) if notes else "")

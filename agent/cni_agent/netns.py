@@ -1,0 +1,254 @@
+"""Network namespaces: side-effect-free identification and netlink access.
+
+Works with pyroute2 0.7.x (distros) and 0.9.x (PyPI). We never use pyroute2's
+own netns support: `NetNS(path)` defaults to O_CREAT (a typo would silently
+create a namespace), 0.7 forks a helper process per NetNS and 0.9 forks one to
+create the socket. Instead a worker thread briefly setns()es into the target,
+creates a plain `IPRoute()` (a netlink socket stays bound to the namespace it
+was created in) and setns()es straight back. Only the calling thread changes
+namespace, and every blocking call runs in `asyncio.to_thread`, so the event
+loop never blocks (0.9's sync IPRoute cannot even be built inside a running
+loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import fcntl
+import logging
+import os
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from pyroute2 import IPRoute, NetlinkError
+
+from cni_agent.cni.errors import InvalidArgument
+
+__all__ = [
+    "Interface",
+    "NetnsError",
+    "bring_up_loopback",
+    "check_netns",
+    "interfaces",
+    "is_netns",
+    "netns_identity",
+]
+
+log = logging.getLogger(__name__)
+
+NS_GET_NSTYPE = 0xB703  # ioctl on an nsfs fd: returns the CLONE_NEW* type
+CLONE_NEWNET = 0x40000000
+_NS_TYPES = {
+    0x00020000: "mnt",
+    0x02000000: "cgroup",
+    0x04000000: "uts",
+    0x08000000: "ipc",
+    0x10000000: "user",
+    0x20000000: "pid",
+    CLONE_NEWNET: "net",
+    0x00000080: "time",
+}
+_PATH_MAX = 4096
+_IFF_UP = 0x1
+_T = TypeVar("_T")
+
+# os.setns only exists on Python >= 3.12; libc's setns(2) works everywhere.
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class NetnsError(Exception):
+    """A namespace could not be opened or configured."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"network namespace {_show(path)}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Interface:
+    name: str
+    index: int
+    mac: str
+    up: bool
+    addresses: tuple[str, ...]  # CIDR strings, IPv4 and IPv6
+
+
+def _kind(mode: int) -> str | None:
+    """Why a non-regular file cannot be a namespace (nsfs files stat as regular)."""
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "is a directory, not a network namespace"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "is a device, not a network namespace"
+    if stat.S_ISFIFO(mode):
+        return "is a FIFO, not a network namespace"
+    if stat.S_ISSOCK(mode):
+        return "is a socket, not a network namespace"
+    return "is not a regular file, so not a network namespace"
+
+
+def _open_netns(path: str) -> int:
+    """Open `path` iff it is a network namespace; never creates or blocks.
+
+    Returns an O_CLOEXEC fd owned by the caller; raises NetnsError otherwise.
+    """
+    if not path:
+        raise NetnsError(path, "is empty")
+    if "\0" in path:
+        raise NetnsError(path, "contains a NUL byte")
+    if len(os.fsencode(path)) > _PATH_MAX:
+        raise NetnsError(path, f"is longer than {_PATH_MAX} bytes")
+    if not os.path.isabs(path):
+        raise NetnsError(path, "is not an absolute path")
+    # stat (following symlinks, as for /proc/PID/ns/net) BEFORE opening: opening
+    # a FIFO could block and opening a device could have side effects.
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise NetnsError(path, "does not exist") from None
+    except OSError as e:
+        raise NetnsError(path, f"cannot stat: {e.strerror}") from None
+    if (why := _kind(st.st_mode)) is not None:
+        raise NetnsError(path, why)
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY  # no O_CREAT
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        raise NetnsError(path, f"cannot open: {e.strerror}") from None
+    try:
+        fst = os.fstat(fd)
+        if (fst.st_dev, fst.st_ino) != (st.st_dev, st.st_ino):  # replaced meanwhile
+            raise NetnsError(path, "changed while being opened")
+        try:
+            nstype = fcntl.ioctl(fd, NS_GET_NSTYPE)
+        except OSError:
+            raise NetnsError(path, "is a regular file, not a namespace") from None
+        if nstype != CLONE_NEWNET:
+            name = _NS_TYPES.get(nstype, hex(nstype))
+            raise NetnsError(path, f"is a {name} namespace, not a network namespace")
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _show(path: str) -> str:
+    """The path for error messages: quoted, and bounded in length."""
+    if not path:
+        return "path"
+    return repr(path if len(path) <= 80 else path[:77] + "...")
+
+
+def netns_identity(path: str) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of the network namespace at `path`, else None."""
+    try:
+        fd = _open_netns(path)
+    except NetnsError:
+        return None
+    try:
+        st = os.fstat(fd)
+        return (st.st_dev, st.st_ino)
+    finally:
+        os.close(fd)
+
+
+def is_netns(path: str) -> bool:
+    return netns_identity(path) is not None
+
+
+def check_netns(path: str, field: str = "netns") -> tuple[int, int]:
+    """Identity of the netns at `path`, or InvalidArgument(field, reason)."""
+    try:
+        fd = _open_netns(path)
+    except NetnsError as e:
+        raise InvalidArgument(field, f"{_show(path)} {e.reason}") from None
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    ident = (st.st_dev, st.st_ino)
+    # /proc/self is the main thread, which never leaves the agent's namespace.
+    own = os.stat("/proc/self/ns/net")
+    if ident == (own.st_dev, own.st_ino):
+        raise InvalidArgument(
+            field, f"{_show(path)}: refusing to configure the agent's own network namespace"
+        )
+    return ident
+
+
+def _setns(fd: int) -> None:
+    if _libc.setns(fd, CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"setns: {os.strerror(err)}")
+
+
+def _with_iproute(path: str, func: Callable[[Any], _T]) -> _T:
+    """Run func(IPRoute bound to the netns at path); blocking, for to_thread."""
+    target = _open_netns(path)
+    try:
+        home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            try:
+                _setns(target)
+                ipr = IPRoute()
+            except (OSError, NetlinkError) as e:
+                raise NetnsError(path, f"cannot open netlink socket: {e}") from e
+            finally:
+                try:
+                    _setns(home)
+                except OSError:
+                    # This pool thread would silently run later host work inside
+                    # a container's namespace; dying is safer (systemd restarts).
+                    log.critical("cannot restore thread network namespace", exc_info=True)
+                    os.abort()
+        finally:
+            os.close(home)
+    finally:
+        os.close(target)
+    # The socket is now bound to the target; the thread is back home.
+    try:
+        with ipr:
+            return func(ipr)
+    except (OSError, NetlinkError) as e:
+        raise NetnsError(path, str(e)) from e
+
+
+def _loopback_up(ipr: Any) -> None:
+    idx = ipr.link_lookup(ifname="lo")
+    if not idx:
+        raise NetlinkError(19, "no loopback interface")
+    ipr.link("set", index=idx[0], state="up")
+
+
+def _list_interfaces(ipr: Any) -> list[Interface]:
+    addrs: dict[int, list[str]] = {}
+    for msg in ipr.get_addr():
+        # IFA_LOCAL is our address on point-to-point links (IFA_ADDRESS = peer).
+        ip = msg.get_attr("IFA_LOCAL") or msg.get_attr("IFA_ADDRESS")
+        if ip:
+            addrs.setdefault(msg["index"], []).append(f"{ip}/{msg['prefixlen']}")
+    return [
+        Interface(
+            name=str(msg.get_attr("IFLA_IFNAME")),
+            index=int(msg["index"]),
+            mac=str(msg.get_attr("IFLA_ADDRESS") or ""),
+            up=bool(msg["flags"] & _IFF_UP),
+            addresses=tuple(addrs.get(msg["index"], ())),
+        )
+        for msg in ipr.get_links()
+    ]
+
+
+async def bring_up_loopback(path: str) -> None:
+    """Set `lo` up inside the network namespace at `path`."""
+    await asyncio.to_thread(_with_iproute, path, _loopback_up)
+
+
+async def interfaces(path: str) -> list[Interface]:
+    """All links of the network namespace at `path`, with their addresses."""
+    return await asyncio.to_thread(_with_iproute, path, _list_interfaces)

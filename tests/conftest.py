@@ -1,0 +1,67 @@
+"""Shared fixtures. Real parts everywhere: real plugins, real namespaces."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.plugins import Control, install_plugin
+
+_counter = itertools.count()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.geteuid() == 0:
+        return
+    skip = pytest.mark.skip(reason="needs root (network namespaces, real plugins)")
+    for item in items:
+        if "root" in item.keywords:
+            item.add_marker(skip)
+
+
+def unique_name(prefix: str) -> str:
+    """Short unique names (interface names are limited to 15 bytes)."""
+    return f"{prefix}{os.getpid() % 10000}x{next(_counter)}"
+
+
+@pytest.fixture
+def plugin_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "bin"
+    install_plugin(d, "testplug")
+    return d
+
+
+@pytest.fixture
+def control(tmp_path: Path) -> Control:
+    return Control(tmp_path / "control.json")
+
+
+@pytest.fixture
+def netns() -> Iterator[str]:
+    """A fresh named network namespace; its path under /run/netns."""
+    name = unique_name("cat")
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        yield f"/run/netns/{name}"
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+@pytest.fixture
+def netns_factory() -> Iterator[object]:
+    made: list[str] = []
+
+    def make() -> str:
+        name = unique_name("cat")
+        subprocess.run(["ip", "netns", "add", name], check=True)
+        made.append(name)
+        return f"/run/netns/{name}"
+
+    yield make
+    for name in made:
+        subprocess.run(["ip", "netns", "del", name], check=False, stderr=subprocess.DEVNULL)

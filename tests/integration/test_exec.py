@@ -1,0 +1,181 @@
+"""The one plugin execution path, against our scripted plugin."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from cni_agent.cni.errors import (
+    ExecError,
+    PluginBadOutput,
+    PluginError,
+    PluginKilled,
+    PluginNotExecutable,
+    PluginNotFound,
+    PluginTimeout,
+    PluginUnsafe,
+)
+from cni_agent.cni.exec import Invocation, ProcessExecutor, decode_json, find_plugin
+from tests.support.plugins import Control
+
+ADD = Invocation("ADD", "c1", "/run/netns/x", "eth0", "A=1", "/usr/lib/cni")
+
+
+def _stdin(control: Control, **extra: object) -> bytes:
+    return json.dumps({"cniVersion": "1.0.0", "name": "n", "type": "testplug",
+                       "control": str(control.path), **extra}).encode()
+
+
+async def _run(plugin_dir: Path, control: Control, inv: Invocation = ADD,
+               timeout: float = 10, **kw: object) -> bytes:
+    binary = find_plugin("testplug", [str(plugin_dir)])
+    return await ProcessExecutor(**kw).execute(  # type: ignore[arg-type]
+        "testplug", binary, inv, _stdin(control), timeout
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it is not running.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(") ")[1][0] != "Z"
+
+
+async def test_success_passes_the_six_variables_and_stdin(plugin_dir: Path, control: Control) -> None:
+    out = await _run(plugin_dir, control)
+    result = decode_json("testplug", "ADD", out)
+    assert result["ips"][0]["address"] == "10.123.0.2/24"
+    rec = control.records()[0]
+    assert rec["env"] == {"CNI_COMMAND": "ADD", "CNI_CONTAINERID": "c1",
+                          "CNI_NETNS": "/run/netns/x", "CNI_IFNAME": "eth0",
+                          "CNI_ARGS": "A=1", "CNI_PATH": "/usr/lib/cni"}
+    assert rec["stdin"]["control"] == str(control.path)
+
+
+async def test_agent_systemd_variables_do_not_reach_plugins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bindir = tmp_path / "envbin"
+    bindir.mkdir(mode=0o755)
+    dump = tmp_path / "env.txt"
+    script = bindir / "envdump"
+    script.write_text(f"#!/bin/sh\nenv > {dump}\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("NOTIFY_SOCKET", "/run/systemd/notify")
+    monkeypatch.setenv("CNI_AGENT_MARKER", "kept")
+    await ProcessExecutor().execute("envdump", str(script), ADD, b"{}", 5)
+    env = dict(line.split("=", 1) for line in dump.read_text().splitlines() if "=" in line)
+    assert "NOTIFY_SOCKET" not in env
+    assert env["CNI_AGENT_MARKER"] == "kept"
+    assert env["CNI_COMMAND"] == "ADD" and env["CNI_ARGS"] == "A=1"
+
+
+async def test_plugin_error_carries_code_msg_details(plugin_dir: Path, control: Control) -> None:
+    control.set("ADD", "fail", code=11, msg="try later", details="lease busy")
+    with pytest.raises(PluginError) as e:
+        await _run(plugin_dir, control)
+    assert (e.value.plugin, e.value.verb, e.value.code) == ("testplug", "ADD", 11)
+    assert e.value.msg == "try later" and e.value.details == "lease busy"
+    assert str(e.value) == "plugin testplug ADD failed (code 11): try later: lease busy"
+
+
+async def test_timeout_kills_the_whole_process_group(plugin_dir: Path, control: Control) -> None:
+    control.set("ADD", "spawn-hang")
+    start = time.monotonic()
+    with pytest.raises(PluginTimeout) as e:
+        await _run(plugin_dir, control, timeout=1.0)
+    assert time.monotonic() - start < 5
+    assert "timed out after 1s" in str(e.value)
+    child = next(r["child"] for r in control.records(None) if "child" in r)
+    # The forked child shared the group: it is gone too (no orphan left).
+    deadline = time.monotonic() + 2
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not _alive(child)
+
+
+async def test_hang_ignoring_sigterm_is_killed(plugin_dir: Path, control: Control) -> None:
+    control.set("DEL", "hang")
+    with pytest.raises(PluginTimeout):
+        await _run(plugin_dir, control, Invocation("DEL", "c1", "", "eth0", "", "/x"), timeout=0.5)
+    pid = control.records()[0]["pid"]
+    assert not _alive(pid)
+
+
+async def test_crash_by_signal(plugin_dir: Path, control: Control) -> None:
+    control.set("ADD", "crash", signal="SEGV")
+    with pytest.raises(PluginKilled) as e:
+        await _run(plugin_dir, control)
+    assert "SIGSEGV" in str(e.value)
+
+
+async def test_nonzero_exit_without_output(plugin_dir: Path, control: Control) -> None:
+    control.set("ADD", "exit", exit=3)
+    with pytest.raises(ExecError) as e:
+        await _run(plugin_dir, control)
+    assert "exited with status 3" in str(e.value)
+
+
+async def test_garbage_is_a_bad_output_error(plugin_dir: Path, control: Control) -> None:
+    control.set("ADD", "garbage")
+    out = await _run(plugin_dir, control)
+    with pytest.raises(PluginBadOutput) as e:
+        decode_json("testplug", "ADD", out)
+    assert "not JSON" in str(e.value)
+
+
+async def test_huge_output_is_cut_off(plugin_dir: Path, control: Control) -> None:
+    control.set("ADD", "huge", bytes=3_000_000)
+    with pytest.raises(PluginBadOutput) as e:
+        await _run(plugin_dir, control, max_stdout=1_000_000)
+    assert "more than 1000000 bytes" in str(e.value)
+
+
+async def test_not_executable(plugin_dir: Path, control: Control) -> None:
+    os.chmod(plugin_dir / "testplug", 0o644)
+    with pytest.raises(PluginNotExecutable) as e:
+        await _run(plugin_dir, control)
+    assert "Permission denied" in str(e.value)
+
+
+async def test_vanished_between_lookup_and_exec(plugin_dir: Path, control: Control) -> None:
+    binary = find_plugin("testplug", [str(plugin_dir)])
+    os.unlink(binary)
+    with pytest.raises(PluginNotFound) as e:
+        await ProcessExecutor().execute("testplug", binary, ADD, _stdin(control), 5)
+    assert "vanished" in str(e.value)
+
+
+def test_lookup_order_and_missing(tmp_path: Path, plugin_dir: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert find_plugin("testplug", [str(empty), str(plugin_dir)]) == str(plugin_dir / "testplug")
+    with pytest.raises(PluginNotFound) as e:
+        find_plugin("nosuch", [str(empty), str(plugin_dir)])
+    assert str(empty) in str(e.value)
+    with pytest.raises(PluginNotFound):
+        find_plugin("../testplug", [str(plugin_dir)])
+
+
+@pytest.mark.root
+def test_world_writable_binary_or_dir_is_refused(plugin_dir: Path) -> None:
+    os.chmod(plugin_dir / "testplug", 0o777)
+    with pytest.raises(PluginUnsafe) as e:
+        find_plugin("testplug", [str(plugin_dir)])
+    assert "writable by non-root users" in str(e.value)
+    os.chmod(plugin_dir / "testplug", 0o755)
+    os.chmod(plugin_dir, 0o777)
+    with pytest.raises(PluginUnsafe):
+        find_plugin("testplug", [str(plugin_dir)])
+    os.chmod(plugin_dir, 0o755)
+    os.chown(plugin_dir / "testplug", 65534, 65534)
+    with pytest.raises(PluginUnsafe) as e:
+        find_plugin("testplug", [str(plugin_dir)])
+    assert "owned by uid 65534" in str(e.value)
