@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import signal
 import socket
 import subprocess
@@ -99,6 +100,8 @@ class NotifySocket:
 
     def __init__(self, directory: Path) -> None:
         self.path = str(directory / "notify.sock")
+        if os.path.exists(self.path):
+            os.unlink(self.path)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.bind(self.path)
         self.sock.settimeout(0.2)
@@ -216,7 +219,7 @@ class Agent:
                timeout: float = 60) -> subprocess.CompletedProcess[str]:
         cmd = ["busctl", f"--address={self.bus.address}", *args]
         if user:
-            cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
+            cmd = [*as_user(user), *cmd]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         if check and out.returncode != 0:
             raise AssertionError(f"{' '.join(cmd)} failed: {out.stderr}\n{self.log()[-3000:]}")
@@ -236,12 +239,18 @@ class Agent:
         cmd = ["gdbus", "call", "--address", self.bus.address, "--dest", NAME,
                "--object-path", PATH, "--method", f"{IFACE}.{method}", *args]
         if user:
-            cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
+            cmd = [*as_user(user), *cmd]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
     def setup(self, sandbox: str, netns: str, **opts: Any) -> dict[str, Any]:
         reply = self.call("Setup", "ssa{sv}", sandbox, netns, *options(**opts))
         return json.loads(reply[0])  # type: ignore[no-any-return]
+
+
+def as_user(user: str) -> list[str]:
+    """A command prefix that drops to `user` (and its primary group, nothing else)."""
+    pw = pwd.getpwnam(user)
+    return ["setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--clear-groups"]
 
 
 def options(networks: list[tuple[str, str]] | None = None, args: dict[str, str] | None = None,

@@ -1,0 +1,64 @@
+"""A private system-like bus per session; agents as real subprocesses."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.agent import Agent, Bus
+from tests.support.plugins import Control, conflist, install_plugin, write_conf
+
+pytestmark = pytest.mark.root
+
+
+@pytest.fixture(scope="session")
+def system_bus() -> Iterator[Bus]:
+    bus = Bus("system")
+    yield bus
+    bus.stop()
+
+
+@pytest.fixture(scope="session")
+def permissive_bus() -> Iterator[Bus]:
+    bus = Bus("permissive")
+    yield bus
+    bus.stop()
+
+
+def plug(control: Control, ptype: str = "testplug", **extra: Any) -> dict[str, Any]:
+    return {"type": ptype, "control": str(control.path), **extra}
+
+
+@pytest.fixture
+def make_agent(tmp_path: Path, system_bus: Bus) -> Iterator[Callable[..., Agent]]:
+    """Start agents on the session's bus; all are stopped (SIGKILL if stuck) at the end."""
+    started: list[Agent] = []
+
+    def make(bus: Bus | None = None, start: bool = True, **config: Any) -> Agent:
+        agent = Agent(tmp_path, bus or system_bus, **config)
+        install_plugin(tmp_path / "bin", "testplug")
+        started.append(agent)
+        if start:
+            agent.start()
+            if any(agent.conf_dir.glob("*.conf*")):  # a network is configured: wait for it
+                assert agent.call("WaitReady", "d", "10")[0] is True, agent.log()
+        return agent
+
+    yield make
+    for agent in started:
+        agent.stop()
+
+
+@pytest.fixture
+def testnet(tmp_path: Path, control: Control) -> Callable[..., Path]:
+    """Write a test-plugin network into the agent's conf dir."""
+
+    def write(name: str = "testnet", filename: str | None = None, version: str = "1.1.0",
+              plugins: list[dict[str, Any]] | None = None) -> Path:
+        data = conflist(name, plugins or [plug(control)], version)
+        return write_conf(tmp_path / "net.d", filename or f"50-{name}.conflist", data)
+
+    return write
