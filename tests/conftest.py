@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,8 +38,19 @@ def plugin_dir(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def control(tmp_path: Path) -> Control:
-    return Control(tmp_path / "control.json")
+def control(tmp_path: Path) -> Iterator[Control]:
+    ctl = Control(tmp_path / "control.json")
+    yield ctl
+    # Plugins orphaned by a killed agent (hang actions) must not outlive the test.
+    for rec in ctl.records(None):
+        for pid in (rec.get("pid"), rec.get("child")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    mine = str(tmp_path).encode() in f.read()
+                if mine:
+                    os.kill(pid, signal.SIGKILL)
+            except (OSError, TypeError):
+                pass
 
 
 @pytest.fixture

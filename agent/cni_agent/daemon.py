@@ -75,7 +75,7 @@ class Daemon:
         self.monitor = Monitor(
             self.runtime, cfg.conf_dir,
             default_network=cfg.default_network,
-            fallback=fallback_network() if cfg.fallback_network else None,
+            fallback=fallback_network(cfg.state_dir) if cfg.fallback_network else None,
             startup_interval=cfg.monitor.startup_interval,
             interval=cfg.monitor.interval,
             grace_period=cfg.monitor.grace_period,

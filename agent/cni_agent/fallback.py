@@ -9,6 +9,7 @@ that is what Debian 12's reference plugins support.
 from __future__ import annotations
 
 import json
+import os
 
 from cni_agent.cni.config import NetworkConfigList, parse_list
 
@@ -17,7 +18,8 @@ FALLBACK_BRIDGE = "cniagent0"
 FALLBACK_SUBNET = "10.234.0.0/24"
 
 
-def fallback_network() -> NetworkConfigList:
+def fallback_network(state_dir: str) -> NetworkConfigList:
+    """The built-in network; its IPAM state lives in the agent's own state dir."""
     doc = {
         "cniVersion": "1.0.0",
         "name": FALLBACK_NAME,
@@ -30,6 +32,7 @@ def fallback_network() -> NetworkConfigList:
                 "type": "host-local",
                 "ranges": [[{"subnet": FALLBACK_SUBNET}]],
                 "routes": [{"dst": "0.0.0.0/0"}],
+                "dataDir": os.path.join(state_dir, "fallback-ipam"),
             },
         }],
     }

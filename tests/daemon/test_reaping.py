@@ -1,0 +1,135 @@
+"""GC and reaping with the real bridge + host-local: the leaks after reboots and crashes."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import unique_name
+from tests.daemon.conftest import plug
+from tests.support.agent import Agent
+from tests.support.net import addresses, allocations, delete_link
+from tests.support.plugins import Control, conflist, wait_for, write_conf
+
+pytestmark = pytest.mark.root
+
+
+@pytest.fixture
+def bridge_chain(tmp_path: Path, control: Control) -> Iterator[str]:
+    """bridge + host-local, then our recording plugin (which passes prevResult on)."""
+    br = unique_name("cab")
+    plugins: list[dict[str, Any]] = [
+        {"type": "bridge", "bridge": br, "isGateway": True, "ipMasq": False,
+         "ipam": {"type": "host-local", "subnet": "10.215.0.0/24", "dataDir": str(tmp_path / "ipam")}},
+        plug(control),
+    ]
+    write_conf(tmp_path / "net.d", "10-pods.conflist", conflist("pods", plugins, "1.0.0"))
+    yield "pods"
+    delete_link(br)
+
+
+def _netns_name(path: str) -> str:
+    return Path(path).name
+
+
+def _dels(control: Control) -> dict[str, str]:
+    return {r["env"]["CNI_CONTAINERID"]: r["env"]["CNI_NETNS"]
+            for r in control.records() if r["command"] == "DEL"}
+
+
+def test_reboot_reaps_deleted_and_reused_namespaces(
+    make_agent: Callable[..., Agent], bridge_chain: str, control: Control,
+    netns_factory: Callable[[], str], tmp_path: Path,
+) -> None:
+    agent = make_agent()
+    live, gone, reused = netns_factory(), netns_factory(), netns_factory()
+    for sid, ns in (("live", live), ("gone", gone), ("reused", reused)):
+        agent.setup(sid, ns)
+    assert len(allocations(tmp_path / "ipam", "pods")) == 3
+    assert agent.stop() == 0
+    # "Reboot": two namespaces vanish; one path comes back naming a new namespace.
+    subprocess.run(["ip", "netns", "del", _netns_name(gone)], check=True)
+    subprocess.run(["ip", "netns", "del", _netns_name(reused)], check=True)
+    subprocess.run(["ip", "netns", "add", _netns_name(reused)], check=True)
+    control.reset_records()
+    agent.start()
+    wait_for(lambda: agent.call("ListSandboxes")[0] == ["live"], timeout=15)
+    dels = _dels(control)
+    # Stale attachments are DELed with an empty netns: the reused path never reaches a plugin.
+    assert dels == {"gone": "", "reused": ""}
+    assert len(allocations(tmp_path / "ipam", "pods")) == 1
+    assert addresses(reused) == []
+    assert len(addresses(live)) == 1
+    assert sorted(p.name for p in (tmp_path / "state" / "sandboxes").iterdir()) == ["live.json"]
+
+
+def test_gc_runs_again_on_recovery(
+    make_agent: Callable[..., Agent], bridge_chain: str, control: Control,
+    netns_factory: Callable[[], str], tmp_path: Path,
+) -> None:
+    agent = make_agent()
+    ns = netns_factory()
+    agent.setup("during-outage", ns)
+    # While healthy, a vanished namespace is not reaped by polling alone...
+    subprocess.run(["ip", "netns", "del", _netns_name(ns)], check=True)
+    control.reset_records()
+    # ...but an outage and its recovery run GC (the origin change promised it).
+    plugins = [{"type": "testplug", "control": str(control.path)}]
+    write_conf(tmp_path / "net.d", "05-status.conflist", conflist("status-net", plugins, "1.1.0"))
+    control.set("STATUS", "fail", code=50, msg="restarting")
+    wait_for(lambda: agent.prop("NetworkReady") is False)
+    control.clear("STATUS")
+    wait_for(lambda: agent.prop("NetworkReady") is True)
+    wait_for(lambda: agent.call("ListSandboxes")[0] == [], timeout=10)
+    assert allocations(tmp_path / "ipam", "pods") == []
+    assert _dels(control) == {"during-outage": ""}
+
+
+def test_kill_9_during_setup_is_rolled_back_on_restart(
+    make_agent: Callable[..., Agent], bridge_chain: str, control: Control, netns: str,
+    tmp_path: Path,
+) -> None:
+    agent = make_agent()
+    control.set("ADD", "hang")  # bridge + host-local already ran when our plugin hangs
+    setup = subprocess.Popen(
+        ["busctl", f"--address={agent.bus.address}", "call", "org.cniagent.Agent1",
+         "/org/cniagent/Agent1", "org.cniagent.Agent1", "Setup", "ssa{sv}", "crash", netns, "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    wait_for(lambda: "ADD" in control.commands())
+    assert len(allocations(tmp_path / "ipam", "pods")) == 1  # the leak libcni would leave
+    assert agent.stop(signal.SIGKILL) == -signal.SIGKILL
+    setup.wait(10)
+    control.clear("ADD")
+    agent.start()
+    wait_for(lambda: allocations(tmp_path / "ipam", "pods") == [], timeout=15)
+    assert addresses(netns) == []
+    assert agent.call("ListSandboxes")[0] == []
+    assert list((tmp_path / "state" / "sandboxes").iterdir()) == []
+    assert _dels(control) == {"crash": netns}  # the namespace still exists: DEL cleans it
+
+
+def test_fallback_network_serves_until_a_real_config_appears(
+    make_agent: Callable[..., Agent], netns: str, tmp_path: Path, testnet: Callable[..., Path],
+) -> None:
+    agent = make_agent(fallback_network=True)
+    try:
+        assert agent.call("WaitReady", "d", "10")[0] is True
+        assert agent.prop("DefaultNetwork") == "cni-agent-fallback"
+        result = agent.setup("fb", netns)
+        address = result["attachments"][0]["result"]["ips"][0]["address"]
+        assert address.startswith("10.234.0.") and addresses(netns) == [address]
+        assert allocations(tmp_path / "state" / "fallback-ipam", "cni-agent-fallback") == [
+            address.split("/")[0]]
+        testnet("real")
+        wait_for(lambda: agent.prop("DefaultNetwork") == "real")
+        assert agent.prop("Networks") == ["real"]
+        # The sandbox on the fallback network is still torn down with its cached config.
+        agent.call("Teardown", "ssa{sv}", "fb", netns, "0")
+        assert allocations(tmp_path / "state" / "fallback-ipam", "cni-agent-fallback") == []
+    finally:
+        delete_link("cniagent0")
