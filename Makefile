@@ -20,7 +20,6 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@$(PY) -m pip install -q --upgrade pip >/dev/null
 	@$(PY) -m pip install -q -e '.[test]'
 	@touch $@
 
@@ -28,8 +27,33 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
-test: setup lint
+test: setup lint unit-py313
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# The unit tests again on a Fedora-like Python (3.13: pyinotify needs
+# pyasyncore there), when pyenv or the system has one. CI machines do.
+PY313 := $(firstword $(wildcard $(HOME)/.pyenv/versions/3.13*/bin/python3.13) $(shell command -v python3.13))
+VENV313 := .venv313
+unit-py313: setup
+ifneq ($(PY313),)
+	@test -x $(VENV313)/bin/python || $(PY313) -m venv $(VENV313)
+	@test -f $(VENV313)/.stamp -a $(VENV313)/.stamp -nt pyproject.toml || \
+		{ $(VENV313)/bin/pip install -q -e '.[test]' && touch $(VENV313)/.stamp; }
+	$(VENV313)/bin/python -m pytest -q -p no:cacheprovider tests/unit
+else
+	@echo "unit-py313: no Python 3.13 found; skipped"
+endif
+
+# Packages: the .deb is built from the tree; the RPM spec is checked with rpmspec.
+deb: system
+	tools/build-deb
+
+rpm-spec-check: system
+	tools/check-rpm-spec
+
+# The agent on a private bus with the built-in default network; Ctrl-C cleans up.
+run: setup
+	@$(PY) tools/dev-run
+
 clean:
-	rm -rf $(VENV) build dist out agent/*.egg-info .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(VENV313) build dist out agent/*.egg-info .mypy_cache .ruff_cache .pytest_cache

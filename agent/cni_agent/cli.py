@@ -1,16 +1,65 @@
-"""The `cni-agent` command line: `run` (the daemon) and the client commands."""
+"""The `cni-agent` command line: `run` (the daemon) and the client commands.
+
+The client commands call `org.cniagent.Agent1` over D-Bus (`cni_agent.client`)
+and print with `cni_agent.cli_output`: short aligned text by default (coloured
+only on a terminal, never with NO_COLOR set), JSON with `--json`. Errors are one
+line on stderr, `cni-agent: MEANING: MESSAGE`. Exit status: 0 success, 1 the
+operation failed (including: the agent is not running, `wait` timed out), 2
+usage error.
+
+JSON output (stable; new keys may be added, none removed or renamed):
+
+- `status --json`: one object:
+  `{"network_ready": bool, "status": str, "default_network": str,
+  "networks": [str], "last_error": str, "pod_cidrs": [str]}` — the D-Bus
+  properties NetworkReady, Status, DefaultNetwork, Networks, LastError,
+  PodCIDRs.
+- `monitor --json`: one object per line, the first for the state at start,
+  then one per change of readiness (any property but PodCIDRs) or of the
+  agent's presence: the `status` object plus `"time"` (ISO 8601, local
+  time with offset, milliseconds) and `"agent_running"` (false when the agent
+  left the bus; then `network_ready` is false and `last_error` is
+  "agent not running").
+- `setup --json`, `show --json`: the agent's result, unchanged:
+  `{"sandbox": ID, "attachments": [{"network": NAME, "ifname": IF,
+  "result": CNI_RESULT}]}`, each CNI result in its network's cniVersion.
+- `list --json`: `{"sandboxes": [ID, ...]}`, sorted.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
+import math
+import os
+import re
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import datetime
+from typing import Any
 
 from cni_agent import __version__
+from cni_agent.cli_output import (
+    BUS_HELP,
+    TOP_EPILOG,
+    ManFormatter,
+    change_json,
+    colour_enabled,
+    dumps,
+    format_attachments,
+    format_change,
+    format_status,
+)
+from cni_agent.client import AgentClient, ClientError, PodRef, SandboxResult, SetupOptions
 from cni_agent.config import ConfigFileError, load_config
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+DEFAULT_WAIT = 30.0
+
+ClientCommand = Callable[[AgentClient, argparse.Namespace, bool], Awaitable[int]]
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -32,26 +81,276 @@ def _run(args: argparse.Namespace) -> int:
         return EXIT_FAILED
 
 
+# --- the client commands ------------------------------------------------------------
+
+
+def _print_result(result: SandboxResult, as_json: bool) -> None:
+    text = dumps(result.document) if as_json else format_attachments(result)
+    if text:
+        print(text)
+
+
+async def _status(client: AgentClient, args: argparse.Namespace, colour: bool) -> int:
+    st = await client.status()
+    print(dumps(st.to_json()) if args.json else format_status(st, colour))
+    return EXIT_OK
+
+
+async def _wait(client: AgentClient, args: argparse.Namespace, colour: bool) -> int:
+    if await client.wait_ready(args.timeout):
+        return EXIT_OK
+    st = await client.status()
+    raise ClientError("timed out", f"network not ready after {args.timeout:g}s: "
+                      f"{st.last_error or st.status}")
+
+
+async def _print_changes(client: AgentClient, args: argparse.Namespace, colour: bool) -> int:
+    shown: tuple[object, ...] = ()
+    async with contextlib.aclosing(client.watch()) as changes:
+        async for st in changes:
+            key = (st.network_ready, st.status, st.default_network, st.networks, st.last_error,
+                   st.running)
+            if key == shown:  # e.g. only PodCIDRs changed: not a readiness change
+                continue
+            shown, now = key, datetime.now()
+            line = dumps(change_json(st, now), one_line=True) if args.json \
+                else format_change(st, now, colour)
+            print(line, flush=True)
+    return EXIT_OK
+
+
+async def _monitor(client: AgentClient, args: argparse.Namespace, colour: bool) -> int:
+    """Print changes until SIGINT/SIGTERM (exit 0, quietly) or the bus goes away (1)."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    watcher = asyncio.create_task(_print_changes(client, args, colour))
+    stopper = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({watcher, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if watcher.done():
+            return watcher.result()
+        return EXIT_OK
+    finally:
+        for task in (watcher, stopper):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+async def _setup(client: AgentClient, args: argparse.Namespace, colour: bool) -> int:
+    opts = SetupOptions(tuple(args.networks), tuple(args.args), args.pod, args.capabilities)
+    _print_result(await client.setup(args.id, args.netns, opts), args.json)
+    return EXIT_OK
+
+
+async def _teardown(client: AgentClient, args: argparse.Namespace, colour: bool) -> int:
+    await client.teardown(args.id, args.netns)
+    return EXIT_OK
+
+
+async def _check(client: AgentClient, args: argparse.Namespace, colour: bool) -> int:
+    await client.check(args.id, args.netns)
+    return EXIT_OK
+
+
+async def _show(client: AgentClient, args: argparse.Namespace, colour: bool) -> int:
+    _print_result(await client.show(args.id), args.json)
+    return EXIT_OK
+
+
+async def _list(client: AgentClient, args: argparse.Namespace, colour: bool) -> int:
+    ids = await client.list_sandboxes()
+    if args.json:
+        print(dumps({"sandboxes": ids}))
+    elif ids:
+        print("\n".join(ids))
+    return EXIT_OK
+
+
+async def _connected(command: ClientCommand, args: argparse.Namespace, colour: bool) -> int:
+    async with await AgentClient.connect(args.bus or "system") as client:
+        return await command(client, args, colour)
+
+
+def _run_client(command: ClientCommand, args: argparse.Namespace) -> int:
+    colour = colour_enabled(sys.stdout.isatty(), os.environ)
+    try:
+        return asyncio.run(_connected(command, args, colour))
+    except ClientError as e:
+        print(f"cni-agent: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:  # Ctrl-C before the command's own handling, or outside monitor
+        return EXIT_OK if command is _monitor else EXIT_INTERRUPTED
+    except BrokenPipeError:  # e.g. `cni-agent monitor | head -1`: stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_FAILED
+
+
+# --- argument types (a malformed value is a usage error: exit 2) ---------------------
+
+
+def _bus(value: str) -> str:
+    if value in ("system", "session") or re.fullmatch(r"[a-z-]+:.*", value):
+        return value
+    raise argparse.ArgumentTypeError(
+        f"{value!r} is not system, session or a D-Bus address (like unix:path=/run/bus.sock)")
+
+
+def _seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds < 0:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a non-negative number of seconds")
+    return seconds
+
+
+def _network(value: str) -> tuple[str, str]:
+    name, colon, ifname = value.partition(":")
+    if not name or (colon and not ifname) or ":" in ifname:
+        raise argparse.ArgumentTypeError(f"{value!r} is not NAME or NAME:IFNAME")
+    return name, ifname
+
+
+def _key_value(value: str) -> tuple[str, str]:
+    key, eq, val = value.partition("=")
+    if not key or not eq:
+        raise argparse.ArgumentTypeError(f"{value!r} is not KEY=VALUE")
+    return key, val
+
+
+def _pod(value: str) -> PodRef:
+    parts = value.split("/")
+    if len(parts) not in (2, 3) or not all(parts):
+        raise argparse.ArgumentTypeError(f"{value!r} is not NAMESPACE/NAME or NAMESPACE/NAME/UID")
+    return PodRef(*parts)
+
+
+def _capabilities(value: str) -> str:
+    try:
+        caps = json.loads(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(caps, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object, like '{\"portMappings\": [...]}'")
+    return value
+
+
+class _AppendArg(argparse.Action):
+    """--arg K=V, repeatable; the same key twice is a usage error."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        items: list[tuple[str, str]] = list(getattr(namespace, self.dest) or [])
+        if any(k == values[0] for k, _ in items):
+            parser.error(f"argument {option_string}: {values[0]} is given twice")
+        setattr(namespace, self.dest, [*items, values])
+
+
+# --- the parser ---------------------------------------------------------------------
+
+
+def _command(sub: Any, name: str, summary: str, description: str, example: str,
+             handler: ClientCommand, as_json: str = "") -> argparse.ArgumentParser:
+    p: argparse.ArgumentParser = sub.add_parser(
+        name, help=summary, description=description, epilog=f"example:\n{example}",
+        formatter_class=ManFormatter)
+    p.add_argument("--bus", metavar="BUS", type=_bus, default=argparse.SUPPRESS, help=BUS_HELP)
+    if as_json:
+        p.add_argument("--json", action="store_true",
+                       help=f"print JSON for scripts: {as_json} (default: text for people)")
+    p.set_defaults(client_command=handler)
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="cni-agent",
+        prog="cni-agent", formatter_class=ManFormatter, epilog=TOP_EPILOG,
         description="Node agent that owns CNI networking and reports network readiness on D-Bus.",
     )
     parser.add_argument("--version", action="version", version=f"cni-agent {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.add_argument("--bus", metavar="BUS", type=_bus, help=BUS_HELP)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     run = sub.add_parser("run", help="run the daemon in the foreground (systemd runs this)",
                          description="Run the agent in the foreground until SIGTERM.")
     run.add_argument("--config", metavar="PATH",
                      help="YAML configuration (default: /etc/cni-agent/agent.yaml if present)")
-    run.add_argument("--bus", metavar="BUS",
+    run.add_argument("--bus", metavar="BUS", default=argparse.SUPPRESS,
                      help="system (default), session, or a D-Bus address")
     run.set_defaults(func=_run)
+
+    p = _command(sub, "status", "show network readiness and the agent's networks", """
+        Show whether the network is ready (NetworkReady), the agent's one-line Status, the
+        default network, the valid networks, the node's pod CIDRs and, when not ready, why.
+        Exits 0 whenever the agent answers; use `cni-agent wait --timeout 0` to test
+        readiness.""", "  $ cni-agent status --json | jq .network_ready", _status,
+        "an object with network_ready, status, default_network, networks, last_error, pod_cidrs")
+    p = _command(sub, "wait", "wait until the network is ready", """
+        Wait until the agent reports NetworkReady, then exit 0; exit 1 if it is still not
+        ready after the timeout (0 checks once, without waiting).""",
+        "  $ cni-agent wait --timeout 120 || journalctl -u cni-agent", _wait)
+    p.add_argument("--timeout", metavar="SECONDS", type=_seconds, default=DEFAULT_WAIT,
+                   help=f"give up after this many seconds (default: {DEFAULT_WAIT:g})")
+    _command(sub, "monitor", "print each readiness change as it happens", """
+        Print the current readiness as one line, then one line per change (ready or not,
+        the reason, the default network, the agent leaving or coming back), each with a
+        timestamp, until interrupted (Ctrl-C exits 0).""",
+        "  $ cni-agent monitor\n  2026-05-09 07:35:25  ready      Ready: ...", _monitor,
+        "one object per line: the status object plus time and agent_running")
+    p = _command(sub, "setup", "attach a sandbox (network namespace) to networks", """
+        Run the networks' plugin chains (CNI ADD) for sandbox ID in the network namespace
+        NETNS, after waiting for readiness. Repeating an identical setup returns the cached
+        result. Prints one line per attachment: network, interface, addresses.""",
+        "  $ cni-agent setup pod-1 /run/netns/pod-1 --network podnet --pod default/web\n"
+        "  podnet  eth0  10.22.0.5/24", _setup,
+        'the agent\'s result: {"sandbox": ID, "attachments": [{"network", "ifname", "result"}]}')
+    p.add_argument("id", metavar="ID", help="the sandbox ID (CNI_CONTAINERID)")
+    p.add_argument("netns", metavar="NETNS", help="path of the network namespace")
+    p.add_argument("--network", dest="networks", metavar="NAME[:IFNAME]", type=_network,
+                   action="append", default=[],
+                   help="attach to this network, repeatable, in order (default: the default "
+                        "network; interface eth0 for the first, net1, net2… for the others)")
+    p.add_argument("--arg", dest="args", metavar="K=V", type=_key_value, action=_AppendArg,
+                   default=[], help="a CNI_ARGS entry, repeatable (default: none)")
+    p.add_argument("--pod", metavar="NAMESPACE/NAME[/UID]", type=_pod,
+                   help="Kubernetes pod: adds K8S_POD_* args and IgnoreUnknown=1 (default: none)")
+    p.add_argument("--capabilities", metavar="JSON", type=_capabilities,
+                   help="runtime capabilities as a JSON object, e.g. portMappings (default: none)")
+    p = _command(sub, "teardown", "detach a sandbox from all its networks", """
+        Run CNI DEL for every attachment of sandbox ID and forget it. NETNS may be left out
+        or already gone; tearing down an unknown sandbox succeeds.""",
+        "  $ cni-agent teardown pod-1 /run/netns/pod-1", _teardown)
+    p.add_argument("id", metavar="ID", help="the sandbox ID")
+    p.add_argument("netns", metavar="NETNS", nargs="?", default="",
+                   help='path of the network namespace (default: "", none)')
+    p = _command(sub, "check", "verify a sandbox's attachments (CNI CHECK)", """
+        Run CNI CHECK for every attachment of sandbox ID in NETNS; exit 0 if all pass.""",
+        "  $ cni-agent check pod-1 /run/netns/pod-1 && echo ok", _check)
+    p.add_argument("id", metavar="ID", help="the sandbox ID")
+    p.add_argument("netns", metavar="NETNS", help="path of the network namespace")
+    p = _command(sub, "show", "show a sandbox's cached attachments", """
+        Show the cached result of sandbox ID, one line per attachment: network, interface,
+        addresses.""", "  $ cni-agent show pod-1 --json | jq '.attachments[].result.ips'",
+        _show, "the agent's result, as for setup --json")
+    p.add_argument("id", metavar="ID", help="the sandbox ID")
+    _command(sub, "list", "list the sandboxes that have cached attachments", """
+        Print the ID of every sandbox with cached attachments, one per line, sorted.""",
+        "  $ cni-agent list | xargs -n1 cni-agent show", _list, '{"sandboxes": [ID, ...]}')
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    command: ClientCommand | None = getattr(args, "client_command", None)
+    if command is not None:
+        return _run_client(command, args)
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)
         return EXIT_USAGE

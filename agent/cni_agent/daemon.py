@@ -162,7 +162,7 @@ class Daemon:
         await self.monitor.start()
         self.notifier.ready(self.monitor.state.status)
         self.notifier.start_watchdog()
-        log.info("cni-agent serving %s on the %s bus (conf_dir %s)", BUS_NAME,
+        log.info("cni-agent serving %s on bus %s (conf_dir %s)", BUS_NAME,
                  self.cfg.bus, self.cfg.conf_dir)
         await self._stop.wait()
         await self._shutdown(bus)

@@ -23,41 +23,14 @@ NAME = "org.cniagent.Agent1"
 PATH = "/org/cniagent/Agent1"
 IFACE = "org.cniagent.Agent1"
 
-SYSTEM_LIKE = """<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-BUS Bus Configuration 1.0//EN"
- "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
-<busconfig>
-  <type>system</type>
-  <listen>unix:path={socket}</listen>
-  <auth>EXTERNAL</auth>
-  <policy context="default">
-    <allow user="*"/>
-    <deny own="*"/>
-    <deny send_type="method_call"/>
-    <allow send_type="signal"/>
-    <allow send_requested_reply="true" send_type="method_return"/>
-    <allow send_requested_reply="true" send_type="error"/>
-    <allow receive_type="method_call"/>
-    <allow receive_type="method_return"/>
-    <allow receive_type="error"/>
-    <allow receive_type="signal"/>
-    <allow send_destination="org.freedesktop.DBus" send_interface="org.freedesktop.DBus"/>
-    <allow send_destination="org.freedesktop.DBus" send_interface="org.freedesktop.DBus.Introspectable"/>
-    <allow send_destination="org.freedesktop.DBus" send_interface="org.freedesktop.DBus.Properties"/>
-  </policy>
-  <policy user="root">
-    <allow eavesdrop="true"/>
-    <allow eavesdrop="true" send_type="signal"/>
-  </policy>
-  <include>{policy}</include>
-</busconfig>
-"""
+SYSTEM_LIKE = (REPO / "tools" / "dev-bus.conf.in").read_text()
 
 # Everything allowed: proves the agent's own authorization check.
 PERMISSIVE = """<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-BUS Bus Configuration 1.0//EN"
  "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
 <busconfig>
   <type>custom</type>
-  <listen>unix:path={socket}</listen>
+  <listen>unix:path=@SOCKET@</listen>
   <auth>EXTERNAL</auth>
   <policy context="default">
     <allow user="*"/>
@@ -78,7 +51,8 @@ class Bus:
         self.socket = self.dir / "bus.sock"
         template = SYSTEM_LIKE if policy == "system" else PERMISSIVE
         self.conf = self.dir / "bus.conf"
-        self.conf.write_text(template.format(socket=self.socket, policy=policy_file))
+        self.conf.write_text(template.replace("@SOCKET@", str(self.socket))
+                             .replace("@POLICY@", str(policy_file)))
         out = subprocess.run(
             ["dbus-daemon", f"--config-file={self.conf}", "--print-address=1",
              "--print-pid=1", "--fork"],

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import errno
 import json
 import os
 import signal
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -168,6 +169,26 @@ async def _drain_capped(stream: asyncio.StreamReader, cap: int) -> bytes:
     return bytes(buf)
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_agent() -> Callable[[], None] | None:
+    """A pre-exec hook: the plugin is SIGKILLed if the agent dies (as systemd's
+    KillMode=control-group would), so a plugin can never finish an ADD after the
+    restarted agent has rolled it back. Resolved before fork: the hook itself only
+    makes one libc call."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+
+    def hook() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+    return hook
+
+
 def _kill_group(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
@@ -190,6 +211,7 @@ class ProcessExecutor:
         self._busy_retries = busy_retries
         self._busy_delay = busy_delay
         self._base_env = base_env
+        self._preexec = _die_with_agent()
 
     def _environ(self, inv: Invocation) -> dict[str, str]:
         env = dict(os.environ if self._base_env is None else self._base_env)
@@ -210,6 +232,7 @@ class ProcessExecutor:
                     env=env,
                     cwd="/",
                     start_new_session=True,  # own process group: a timeout kills it all
+                    preexec_fn=self._preexec,
                 )
             except OSError as e:
                 # A binary being replaced (package upgrade) is briefly busy.

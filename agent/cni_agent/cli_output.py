@@ -1,0 +1,108 @@
+"""What the client commands print: human text (colour only on a TTY), JSON, and help.
+
+Pure functions from the typed values of `cni_agent.client` to strings; the
+JSON shapes are documented in `cni_agent.cli`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import textwrap
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+from cni_agent.client import AgentStatus, SandboxResult
+
+GREEN, RED, RESET = "\033[32m", "\033[31m", "\033[0m"
+READY, NOT_READY = "ready", "not ready"
+
+
+def colour_enabled(isatty: bool, environ: Mapping[str, str]) -> bool:
+    """Colour only on a terminal, and never when NO_COLOR is set to anything but ""."""
+    return isatty and not environ.get("NO_COLOR")
+
+
+def readiness(ready: bool, colour: bool, width: int = 0) -> str:
+    """ "ready" (green) or "not ready" (red), padded to `width` before colouring."""
+    word = (READY if ready else NOT_READY).ljust(width)
+    if not colour:
+        return word
+    return f"{GREEN if ready else RED}{word}{RESET}"
+
+
+def _list(items: Sequence[str]) -> str:
+    return ", ".join(items) if items else "-"
+
+
+def format_status(st: AgentStatus, colour: bool) -> str:
+    rows = [("Network:", readiness(st.network_ready, colour)), ("Status:", st.status),
+            ("Default:", st.default_network or "-"), ("Networks:", _list(st.networks)),
+            ("Pod CIDRs:", _list(st.pod_cidrs))]
+    if st.last_error:
+        rows.append(("Last error:", st.last_error))
+    width = max(len(label) for label, _ in rows)
+    return "\n".join(f"{label:<{width}} {value}" for label, value in rows)
+
+
+def format_attachments(result: SandboxResult) -> str:
+    """One aligned line per attachment: network, ifname, addresses."""
+    rows = [(a.network, a.ifname, ", ".join(a.addresses) or "-") for a in result.attachments]
+    if not rows:
+        return ""
+    w0 = max(len(r[0]) for r in rows)
+    w1 = max(len(r[1]) for r in rows)
+    return "\n".join(f"{n:<{w0}}  {i:<{w1}}  {addrs}" for n, i, addrs in rows)
+
+
+def format_change(st: AgentStatus, when: datetime, colour: bool) -> str:
+    """One monitor line: local time, ready/not ready, the agent's Status line."""
+    stamp = when.astimezone().strftime("%Y-%m-%d %H:%M:%S")
+    return f"{stamp}  {readiness(st.network_ready, colour, len(NOT_READY))}  {st.status}"
+
+
+def change_json(st: AgentStatus, when: datetime) -> dict[str, Any]:
+    return {"time": when.astimezone().isoformat(timespec="milliseconds"),
+            "agent_running": st.running, **st.to_json()}
+
+
+def dumps(doc: Any, one_line: bool = False) -> str:
+    """JSON output: indented documents, or one object per line (`monitor --json`)."""
+    return json.dumps(doc) if one_line else json.dumps(doc, indent=2)
+
+
+# --- help text ------------------------------------------------------------------------
+
+
+class ManFormatter(argparse.HelpFormatter):
+    """Wraps prose paragraphs; keeps indented lines (examples) as written."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        out: list[str] = []
+        for block in textwrap.dedent(text).strip().split("\n\n"):
+            if block.startswith(" ") or "\n " in block:
+                out.append(textwrap.indent(block, indent))
+            else:
+                out.append(textwrap.fill(" ".join(block.split()), width, initial_indent=indent,
+                                         subsequent_indent=indent))
+        return "\n\n".join(out)
+
+
+BUS_HELP = ("system (honours DBUS_SYSTEM_BUS_ADDRESS), session, or a D-Bus address "
+            "(default: system)")
+TOP_EPILOG = """
+commands talk to the agent over D-Bus (org.cniagent.Agent1); `run` is the agent.
+Options before the command (--bus) are accepted after it too.
+
+exit status: 0 success; 1 the operation failed, the agent is not running, or
+`wait` timed out; 2 usage error.
+
+environment: DBUS_SYSTEM_BUS_ADDRESS (the system bus), NO_COLOR (any
+non-empty value: no colour even on a terminal).
+
+examples:
+  $ cni-agent status
+  $ cni-agent wait --timeout 60 && cni-agent setup pod-1 /run/netns/pod-1
+  $ cni-agent --bus unix:path=/tmp/cni-agent-bus/bus.sock monitor
+"""

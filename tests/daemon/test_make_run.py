@@ -1,0 +1,72 @@
+"""`make run`, as a newcomer runs it: start, paste the printed commands, Ctrl-C, nothing left."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support.agent import REPO
+
+pytestmark = pytest.mark.root
+
+
+def _processes(pattern: str) -> list[str]:
+    out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True)
+    return out.stdout.split()
+
+
+def test_make_run_shows_it_working_and_cleans_up_on_ctrl_c() -> None:
+    netns_before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    proc = subprocess.Popen(["make", "--no-print-directory", "run"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    assert proc.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + 120
+    try:
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if "ready — the agent's log follows" in line or time.monotonic() > deadline:
+                break
+        text = "\n".join(lines)
+        assert "ready — the agent's log follows" in text, text
+        address = re.search(r"has address (10\.234\.0\.\d+)/24", text)
+        assert address, text
+        netns = re.search(r"in netns (cni-agent-demo-\d+)", text)
+        assert netns is not None
+        workdir = re.search(r"unix:path=(/tmp/cni-agent-dev-[^/]+)/bus\.sock", text)
+        assert workdir is not None
+        shown = subprocess.run(["ip", "-n", netns.group(1), "-br", "addr"], capture_output=True,
+                               text=True).stdout
+        assert address.group(1) in shown
+        commands = [line.split("$ ", 1)[1] for line in lines if line.startswith("  $ ")]
+        assert len(commands) >= 5
+        for cmd in commands:
+            out = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=30)
+            assert out.returncode == 0, f"{cmd}: {out.stderr}"
+            if "ListSandboxes" in cmd:
+                assert '"demo"' in out.stdout
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in the terminal does
+        rest = proc.stdout.read()
+        proc.wait(90)
+    finally:
+        if proc.poll() is None:  # a failed assertion: still let it clean up
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(90)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert "left nothing behind" in rest, rest
+    assert "NOT CLEAN" not in rest
+    assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout \
+        == netns_before
+    assert subprocess.run(["ip", "link", "show", "cniagent0"], capture_output=True).returncode != 0
+    assert not _processes(r"cni-agent-dev-.*agent\.yaml")
+    assert not _processes(r"dbus-daemon --config-file=/tmp/cni-agent-dev-")
+    assert not Path(workdir.group(1)).exists()

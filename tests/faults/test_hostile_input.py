@@ -1,0 +1,154 @@
+"""Hostile input through D-Bus: every bad value is InvalidArgument naming the field,
+and nothing is created on disk outside the agent's state and runtime dirs."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from dbus_fast import Variant
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.support.agent import Agent
+from tests.support.dbusclient import SyncClient
+
+pytestmark = pytest.mark.root
+INVALID = "org.cniagent.Agent1.Error.InvalidArgument"
+SPEC_ID = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.\-]*")
+WATCHED = [Path("/"), Path("/tmp"), Path("/run"), Path("/run/netns"), Path("/var/lib"),
+           Path("/etc"), Path("/var/lib/cni/networks")]
+
+# D-Bus strings are UTF-8 without NUL: everything else is fair game.
+dbus_text = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"))
+nasty = st.one_of(
+    dbus_text,
+    st.sampled_from(["../x", "../../etc/passwd", "a/b", "/abs", ".", "..", "a\nb", " a", "a ",
+                     "ｓbx", "sbx\u200b", "ѕbx", "x" * 10_000, "-x", "_x", ";", "a;b=c", "${HOME}"]),
+    st.builds(lambda a, b: a + b, dbus_text, st.sampled_from(["/..", "/", "\n", "\t", ";"])),
+)
+
+
+def snapshot(extra: list[Path]) -> dict[str, list[str]]:
+    out = {}
+    for d in WATCHED + extra:
+        try:
+            out[str(d)] = sorted(os.listdir(d))
+        except FileNotFoundError:
+            out[str(d)] = []
+    return out
+
+
+@pytest.fixture
+def hostile(make_agent: Callable[..., Agent], testnet: Callable[..., Path], netns: str,
+            tmp_path: Path) -> Iterator[tuple[SyncClient, str, Path]]:
+    testnet()
+    agent = make_agent()
+    client = SyncClient(agent.bus.address)
+    state, run = tmp_path / "state", tmp_path / "run"
+    before = snapshot([tmp_path])
+    yield client, netns, tmp_path
+    client.close()
+    after = snapshot([tmp_path])
+    for d in ("/tmp", "/run"):  # other processes on the machine may come and go there
+        before.pop(d), after.pop(d)
+    assert after == before
+    # Nothing inside the agent's own dirs either: no records, cache entries or lock files.
+    assert list((state / "sandboxes").iterdir()) == []
+    assert list((state / "results").iterdir()) == []
+    assert not (run / "locks").exists() or list((run / "locks").iterdir()) == []
+
+
+SETTINGS = settings(max_examples=150, deadline=None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+@SETTINGS
+@given(sandbox_id=nasty)
+def test_sandbox_ids(hostile: tuple[SyncClient, str, Path], sandbox_id: str) -> None:
+    client, netns, _ = hostile
+    err, body = client.call("Setup", "ssa{sv}", [sandbox_id, netns, {}])
+    if SPEC_ID.fullmatch(sandbox_id) and len(sandbox_id) <= 128:
+        assert err is None, body
+        assert client.call("Teardown", "ssa{sv}", [sandbox_id, "", {}])[0] is None
+    else:
+        assert err == INVALID and body.startswith("sandbox_id:"), (err, body)
+    for method in ("Show", "Teardown", "Check"):
+        args = [sandbox_id] if method == "Show" else [sandbox_id, netns, {}]
+        err, body = client.call(method, "s" if method == "Show" else "ssa{sv}", args)
+        if not SPEC_ID.fullmatch(sandbox_id) or len(sandbox_id) > 128:
+            assert err == INVALID and "sandbox_id" in body
+
+
+@SETTINGS
+@given(ifname=nasty)
+def test_ifnames(hostile: tuple[SyncClient, str, Path], ifname: str) -> None:
+    client, netns, _ = hostile
+    opts = {"networks": Variant("a(ss)", [["testnet", ifname]])}
+    err, body = client.call("Setup", "ssa{sv}", ["ifn", netns, opts])
+    if err is None:
+        assert client.call("Teardown", "ssa{sv}", ["ifn", "", {}])[0] is None
+    elif ifname:
+        assert err == INVALID and body.startswith("networks:"), (err, body)
+
+
+@SETTINGS
+@given(path=st.one_of(nasty, st.sampled_from([
+    "/dev/null", "/dev/zero", "/etc/passwd", "/proc/self/ns/net", "/proc/1/ns/net",
+    "/proc/self/ns/mnt", "/run/netns", "/", "/proc/self/fd/0", "/dev/stdin"])))
+def test_netns_paths(hostile: tuple[SyncClient, str, Path], path: str) -> None:
+    client, _, _ = hostile
+    err, body = client.call("Setup", "ssa{sv}", ["nspath", path, {}])
+    assert err == INVALID and body.startswith("netns:"), (path, err, body)
+
+
+@SETTINGS
+@given(key=nasty, value=nasty)
+def test_args_cannot_inject_pairs(hostile: tuple[SyncClient, str, Path], key: str, value: str) -> None:
+    client, netns, _ = hostile
+    opts = {"args": Variant("a{ss}", {key: value})}
+    err, body = client.call("Setup", "ssa{sv}", ["args", netns, opts])
+    if err is None:
+        # Accepted only when it cannot split into more pairs.
+        assert ";" not in value and re.fullmatch(r"[A-Za-z0-9_.\-]+", key)
+        assert client.call("Teardown", "ssa{sv}", ["args", "", {}])[0] is None
+    else:
+        assert err == INVALID and body.startswith("args:"), (err, body)
+
+
+def _nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+@pytest.mark.parametrize("caps", [
+    "[1, 2]", '"a string"', "42", "null", "{not json", "{" + '"a":' * 10 + "1" + "}" * 10,
+    '{"deep": ' + _nested(100) + "}", _nested(100_000),
+    json.dumps({"portMappings": ["x" * 1000] * 3000}),
+])
+def test_capabilities_that_are_not_a_small_object(
+    hostile: tuple[SyncClient, str, Path], caps: str
+) -> None:
+    client, netns, _ = hostile
+    err, body = client.call("Setup", "ssa{sv}", ["caps", netns,
+                                                  {"capabilities": Variant("s", caps)}])
+    assert err == INVALID and body.startswith("options.capabilities:"), (err, body[:200])
+
+
+@pytest.mark.parametrize(("member", "signature", "body"), [
+    ("Setup", "sss", ["a", "b", "c"]),
+    ("Setup", "ssa{ss}", ["a", "b", {"x": "y"}]),
+    ("Teardown", "s", ["a"]),
+    ("GarbageCollect", "s", ["a"]),
+    ("SetPodCIDRs", "ai", [[1]]),
+    ("WaitReady", "i", [5]),
+    ("ListSandboxes", "s", ["x"]),
+])
+def test_wrong_signatures(hostile: tuple[SyncClient, str, Path], member: str, signature: str,
+                          body: list[object]) -> None:
+    client, _, _ = hostile
+    err, text = client.call(member, signature, body)
+    assert err == INVALID and f"{member} takes arguments" in text

@@ -1,0 +1,128 @@
+"""The .deb, built from the tree, installed with apt, run on Debian's own Python
+(python3-dbus-fast 1.84, python3-pyroute2 0.7, python3-pyinotify), then purged."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import unique_name
+from tests.support.agent import REPO, Bus, NotifySocket
+from tests.support.net import addresses, allocations, delete_link
+from tests.support.plugins import wait_for
+
+pytestmark = [pytest.mark.root,
+              pytest.mark.skipif(shutil.which("dpkg") is None, reason="needs a Debian system")]
+
+INSTALLED_POLICY = Path("/usr/share/dbus-1/system.d/org.cniagent.Agent1.conf")
+EXPECTED = [
+    "/usr/bin/cni-agent",
+    "/lib/systemd/system/cni-agent.service",
+    "/usr/share/dbus-1/system.d/org.cniagent.Agent1.conf",
+    "/usr/share/dbus-1/system-services/org.cniagent.Agent1.service",
+    "/usr/lib/sysusers.d/cni-agent.conf",
+    "/usr/lib/tmpfiles.d/cni-agent.conf",
+    "/etc/cni-agent/agent.yaml",
+    "/usr/lib/python3/dist-packages/cni_agent/daemon.py",
+]
+
+
+def _run(*cmd: str, **kw: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, **kw)  # type: ignore[call-overload]
+
+
+@pytest.fixture(scope="module")
+def installed() -> Iterator[list[str]]:
+    if _run("dpkg-query", "-W", "cni-agent").returncode == 0:
+        pytest.fail("cni-agent is already installed on this machine; remove it first")
+    state_existed = Path("/var/lib/cni-agent").exists()
+    build = _run(str(REPO / "tools" / "build-deb"), cwd=REPO)
+    assert build.returncode == 0, build.stderr
+    deb = Path(build.stdout.strip().splitlines()[-1])
+    assert deb.exists()
+    out = _run("apt-get", "install", "-y", "-q", "--no-install-recommends", str(deb),
+               env={"DEBIAN_FRONTEND": "noninteractive", "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+    assert out.returncode == 0, out.stdout + out.stderr
+    files = _run("dpkg", "-L", "cni-agent").stdout.split()
+    try:
+        yield files
+    finally:
+        purge = _run("apt-get", "purge", "-y", "-q", "cni-agent",
+                     env={"DEBIAN_FRONTEND": "noninteractive", "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+        assert purge.returncode == 0, purge.stdout + purge.stderr
+        leftovers = [f for f in files if Path(f).is_file()]
+        assert leftovers == [], leftovers
+        assert not Path("/etc/cni-agent").exists()
+        # Debian policy: the state of the node's networks is not deleted by a purge.
+        assert Path("/var/lib/cni-agent").is_dir()
+        if not state_existed:
+            shutil.rmtree("/var/lib/cni-agent")
+
+
+def test_files_land_where_the_policy_says(installed: list[str]) -> None:
+    for path in EXPECTED:
+        assert path in installed, path
+        assert Path(path).exists(), path
+    conffiles = _run("dpkg-query", "-W", "-f=${Conffiles}", "cni-agent").stdout
+    assert "/etc/cni-agent/agent.yaml" in conffiles
+    assert Path("/var/lib/cni-agent").is_dir()  # tmpfiles.d at install
+    assert _run("getent", "group", "cni-agent").returncode == 0  # sysusers.d at install
+
+
+def test_installed_agent_runs_on_debians_python(installed: list[str], tmp_path: Path,
+                                                netns: str) -> None:
+    versions = _run("/usr/bin/python3", "-c",
+                    "import dbus_fast.__version__ as d, pyroute2, sys; "
+                    "print(d.__version__, pyroute2.__version__, sys.version.split()[0])")
+    assert versions.stdout.startswith("1.84"), versions.stdout  # Debian's, not the venv's
+    bus = Bus("system", policy_file=INSTALLED_POLICY)
+    bridge = unique_name("cab")
+    conf = tmp_path / "net.d"
+    conf.mkdir()
+    (conf / "10-deb.conflist").write_text(json.dumps({
+        "cniVersion": "0.4.0", "name": "debnet",
+        "plugins": [{"type": "bridge", "bridge": bridge, "isGateway": True,
+                     "ipam": {"type": "host-local", "subnet": "10.217.0.0/24",
+                              "dataDir": str(tmp_path / "ipam")}}],
+    }))
+    cfg = tmp_path / "agent.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "conf_dir": str(conf), "plugin_dirs": ["/usr/lib/cni"], "bus": bus.address,
+        "state_dir": str(tmp_path / "state"), "runtime_dir": str(tmp_path / "run"),
+        "shutdown_drain": 0}))
+    notify = NotifySocket(tmp_path)
+    agent = subprocess.Popen(["/usr/bin/cni-agent", "run", "--config", str(cfg)],
+                             env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin",
+                                  "NOTIFY_SOCKET": notify.path},
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    busctl = ["busctl", f"--address={bus.address}"]
+    obj = ["org.cniagent.Agent1", "/org/cniagent/Agent1", "org.cniagent.Agent1"]
+    try:
+        notify.wait_for("READY=1", timeout=30)
+        wait_for(lambda: _run(*busctl, "get-property", *obj, "NetworkReady").stdout.strip()
+                 == "b true", timeout=15)
+        setup = _run(*busctl, "--json=short", "call", *obj, "Setup", "ssa{sv}", "deb1", netns, "0")
+        assert setup.returncode == 0, setup.stderr
+        result = json.loads(json.loads(setup.stdout)["data"][0])
+        address = result["attachments"][0]["result"]["ips"][0]["address"]
+        assert addresses(netns) == [address]
+        teardown = _run(*busctl, "call", *obj, "Teardown", "ssa{sv}", "deb1", netns, "0")
+        assert teardown.returncode == 0, teardown.stderr
+        assert allocations(tmp_path / "ipam", "debnet") == []
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(30) == 0
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+        log = agent.communicate()[0]
+        notify.close()
+        bus.stop()
+        delete_link(bridge)
+    assert "Traceback" not in log, log

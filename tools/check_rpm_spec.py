@@ -1,0 +1,309 @@
+"""Validate packaging/rpm/cni-agent.spec on a host without Fedora's build macros.
+
+`make rpm-spec-check`. No Fedora build host is available here, so:
+
+1. `rpmspec -P` parses the spec for Fedora 41 (sysusers compat scriptlet) and
+   Fedora 42 (rpm creates the group itself), with stand-ins, defined with
+   --define, for the macros Debian's rpm lacks: the systemd path and scriptlet
+   macros, the sysusers macros and the pyproject macros. Path macros get
+   Fedora's values (Debian's rpm even has %_sharedstatedir = /usr/com); a
+   stand-in macro expands to a `: NAME ARGS` shell no-op, so the parsed spec
+   shows where each was used and with what. On a host that has the real
+   macros only the path macros are pinned.
+2. Any error or warning from rpmspec fails the check.
+3. The parsed spec must have pyproject.toml's Version, BuildArch noarch, the
+   systemd scriptlets for cni-agent.service, `%config(noreplace)` on every
+   file under /etc, and a %files section that lists every file the DEB
+   installs: read from a built .deb with --deb FILE, else derived from
+   packaging/debian (cni-agent.install, .dirs, .docs, the unit, sysusers
+   and tmpfiles files dh installs) and pyproject.toml (console scripts,
+   Python packages). Paths map /lib -> /usr/lib (Fedora is usr-merged); the
+   Python package must be in %pyproject_save_files, documentation must be
+   %doc; the Debian-only /usr/share/doc/cni-agent/{copyright,changelog.gz}
+   are not compared.
+
+Exit status 0 when all holds, 1 with one line per problem otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import tomllib
+from collections.abc import Iterable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEC = ROOT / "packaging" / "rpm" / "cni-agent.spec"
+DEBIAN = ROOT / "packaging" / "debian"
+PACKAGE = "cni-agent"
+UNIT = "cni-agent.service"
+FEDORA_RELEASES = (41, 42)
+
+# Fedora's values for the path macros the spec uses.
+PATH_MACROS = {
+    "_prefix": "/usr",
+    "_bindir": "/usr/bin",
+    "_datadir": "/usr/share",
+    "_sysconfdir": "/etc",
+    "_localstatedir": "/var",
+    "_sharedstatedir": "/var/lib",
+    "_unitdir": "/usr/lib/systemd/system",
+    "_sysusersdir": "/usr/lib/sysusers.d",
+    "_tmpfilesdir": "/usr/lib/tmpfiles.d",
+    "python3_sitelib": "/usr/lib/python3.13/site-packages",
+    "pyproject_files": "%{_builddir}/pyproject-files",
+}
+
+# Stand-ins for Fedora's macros, used only where rpm does not define them.
+# The option letters match the real macros', so a wrong option fails here too.
+STUB_MACROS = {
+    "systemd_post()": ": systemd_post %**",
+    "systemd_preun()": ": systemd_preun %**",
+    "systemd_postun()": ": systemd_postun %**",
+    "systemd_postun_with_restart()": ": systemd_postun_with_restart %**",
+    "sysusers_requires_compat": "Requires(pre): shadow-utils",
+    "sysusers_create_compat()": ": sysusers_create_compat %**",
+    "pyproject_buildrequires(rRxtNwe:C:p)": "echo 'python3dist(setuptools)'",
+    "pyproject_wheel(C:)": ": pyproject_wheel %**",
+    "pyproject_install": ": pyproject_install",
+    "pyproject_save_files(lLM)": ": pyproject_save_files %**",
+    "pyproject_check_import(e:tM)": ": pyproject_check_import %**",
+}
+
+# Debian-only files in the .deb that have no RPM counterpart.
+DEBIAN_ONLY = re.compile(r"^/usr/share/doc/cni-agent/(copyright|changelog(\.Debian)?(\.gz)?)$")
+# Other documentation: the RPM lists it with %doc NAME (dh_compress may add .gz).
+DOC_DIR = "/usr/share/doc/cni-agent/"
+DIST_PACKAGES = "/usr/lib/python3/dist-packages/"
+FILES_DIRECTIVE = re.compile(r"^%(dir|doc|license|ghost|config|attr|verify|defattr)\b(\([^)]*\))?\s*")
+
+
+def fail_lines(problems: Iterable[str]) -> int:
+    problems = list(problems)
+    for p in problems:
+        print(f"check-rpm-spec: {p}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+def rpm_defines() -> list[str]:
+    args: list[str] = []
+    for name, value in PATH_MACROS.items():
+        args += ["--define", f"{name} {value}"]
+    names = [n.split("(")[0] for n in STUB_MACROS]
+    probe = "\n".join(f"%{{?{n:s}:defined}}" for n in names)
+    out = subprocess.run(["rpm", "--eval", probe], capture_output=True, text=True, check=True)
+    defined = out.stdout.split("\n")
+    for (stub, body), is_defined in zip(STUB_MACROS.items(), defined, strict=False):
+        if is_defined.strip() != "defined":
+            args += ["--define", f"{stub} {body}"]
+    return args
+
+
+def parse_spec(fedora: int) -> tuple[str, list[str]]:
+    cmd = ["rpmspec", "-P", str(SPEC), "--define", f"fedora {fedora}",
+           "--define", f"dist .fc{fedora}", *rpm_defines()]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    problems = [f"fedora {fedora}: rpmspec: {line}" for line in proc.stderr.splitlines()
+                if line.strip()]
+    if proc.returncode != 0 and not problems:
+        problems.append(f"fedora {fedora}: rpmspec -P exited with {proc.returncode}")
+    return proc.stdout, problems
+
+
+def sections(parsed: str) -> dict[str, list[str]]:
+    """Lines per section: "preamble", "files", "post", ... (a repeated name concatenates)."""
+    out: dict[str, list[str]] = {"preamble": []}
+    current = "preamble"
+    for line in parsed.splitlines():
+        m = re.match(r"^%(package|description|prep|generate_buildrequires|build|install|check|"
+                     r"pre|post|preun|postun|pretrans|posttrans|files|changelog)\b(.*)$", line)
+        if m:
+            current = m.group(1)
+            out.setdefault(current, [])
+            if current == "files":
+                out.setdefault("files-header", []).append(m.group(2).strip())
+            continue
+        out.setdefault(current, []).append(line)
+    return out
+
+
+def files_entries(lines: list[str]) -> dict[str, set[str]]:
+    """Path -> the %-directives in front of it (dir, config, doc, ...)."""
+    entries: dict[str, set[str]] = {}
+    for raw in lines:
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        directives: set[str] = set()
+        while m := FILES_DIRECTIVE.match(line):
+            directives.add(m.group(1) + (m.group(2) or ""))
+            line = line[m.end():]
+        for path in line.split():
+            entries[path] = directives
+    return entries
+
+
+def pyproject() -> dict[str, object]:
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        data: dict[str, object] = tomllib.load(f)
+    return data
+
+
+def deb_paths_from_tree() -> tuple[set[str], set[str], set[str]]:
+    """(files, directories, Python top-level packages) the DEB installs, from the tree."""
+    files: set[str] = set()
+    dirs: set[str] = set()
+    install = DEBIAN / f"{PACKAGE}.install"
+    for line in install.read_text().splitlines():
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        *sources, dest = words
+        for src in sources:
+            files.add("/" + "/".join([dest.strip("/"), Path(src).name]))
+    docs_file = DEBIAN / f"{PACKAGE}.docs"
+    if docs_file.exists():
+        for line in docs_file.read_text().splitlines():
+            if line.strip() and not line.startswith("#"):
+                files.add(f"{DOC_DIR}{Path(line.strip()).name}")
+    dirs_file = DEBIAN / f"{PACKAGE}.dirs"
+    if dirs_file.exists():
+        for line in dirs_file.read_text().splitlines():
+            if line.strip() and not line.startswith("#"):
+                dirs.add("/" + line.strip().strip("/"))
+    # What dh_installsystemd, dh_installsysusers and dh_installtmpfiles install.
+    if (DEBIAN / f"{PACKAGE}.service").exists():
+        files.add(f"/lib/systemd/system/{PACKAGE}.service")
+    if (DEBIAN / f"{PACKAGE}.sysusers").exists():
+        files.add(f"/usr/lib/sysusers.d/{PACKAGE}.conf")
+    if (DEBIAN / f"{PACKAGE}.tmpfiles").exists():
+        files.add(f"/usr/lib/tmpfiles.d/{PACKAGE}.conf")
+    project = pyproject()["project"]
+    assert isinstance(project, dict)
+    for script in project.get("scripts", {}):
+        files.add(f"/usr/bin/{script}")
+    tool = pyproject().get("tool", {})
+    assert isinstance(tool, dict)
+    where = tool.get("setuptools", {}).get("packages", {}).get("find", {}).get("where", ["."])
+    packages = {p.name for w in where for p in (ROOT / w).iterdir()
+                if (p / "__init__.py").is_file()}
+    return files, dirs, packages
+
+
+def deb_paths_from_deb(deb: Path) -> tuple[set[str], set[str], set[str]]:
+    """(files, leaf directories, Python top-level packages) in a built .deb."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tar_path = Path(tmp) / "data.tar"
+        with open(tar_path, "wb") as out:
+            subprocess.run(["dpkg-deb", "--fsys-tarfile", str(deb)], stdout=out, check=True)
+        with tarfile.open(tar_path) as tar:
+            members = [(m.name.lstrip("."), m) for m in tar.getmembers()]
+    files = {name for name, m in members if not m.isdir()}
+    all_dirs = {name.rstrip("/") for name, m in members if m.isdir() and name.strip("/")}
+    leaves = {d for d in all_dirs
+              if not any(n.startswith(d + "/") for n, _ in members if n.rstrip("/") != d)}
+    packages: set[str] = set()
+    for f in list(files):
+        if f.startswith(DIST_PACKAGES):
+            top = f[len(DIST_PACKAGES):].split("/", 1)[0]
+            if not top.endswith((".dist-info", ".egg-info")):
+                packages.add(top.removesuffix(".py"))
+            files.discard(f)
+    return files, leaves, packages
+
+
+def rpm_path(deb_path: str) -> str:
+    return "/usr" + deb_path if deb_path.startswith(("/lib/", "/bin/", "/sbin/")) else deb_path
+
+
+def check_parsed(parsed: str, fedora: int, deb: Path | None) -> list[str]:
+    problems: list[str] = []
+    where = f"fedora {fedora}"
+    secs = sections(parsed)
+    preamble = "\n".join(secs["preamble"])
+
+    project = pyproject()["project"]
+    assert isinstance(project, dict)
+    m = re.search(r"^Version:\s*(\S+)", preamble, re.M)
+    if not m or m.group(1) != project["version"]:
+        problems.append(f"{where}: Version {m.group(1) if m else '(none)'} is not pyproject.toml's "
+                        f"{project['version']}")
+    if not re.search(r"^BuildArch:\s*noarch\s*$", preamble, re.M):
+        problems.append(f"{where}: BuildArch is not noarch")
+    for section, macro in (("post", "systemd_post"), ("preun", "systemd_preun"),
+                           ("postun", "systemd_postun_with_restart")):
+        body = "\n".join(secs.get(section, []))
+        if f": {macro} {UNIT}" not in body and UNIT not in body:
+            problems.append(f"{where}: %{section} does not run %{macro} {UNIT}")
+    if "ReloadConfig" not in "\n".join(secs.get("post", [])):
+        problems.append(f"{where}: %post does not make the bus reload its policy")
+
+    entries = files_entries(secs.get("files", []))
+    header = " ".join(secs.get("files-header", []))
+    uses_pyproject_files = "-f" in header.split() and "pyproject-files" in header
+    saved = set()
+    for line in secs.get("install", []):
+        if (m := re.match(r"^: pyproject_save_files\s+(.*)$", line.strip())):
+            saved |= {w for w in m.group(1).split() if not w.startswith("-")}
+        elif "pyproject_save_files" in line:
+            saved |= {w for w in line.split() if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", w)}
+
+    files, dirs, packages = deb_paths_from_deb(deb) if deb else deb_paths_from_tree()
+    for path in sorted(files):
+        if DEBIAN_ONLY.match(path):
+            continue
+        if path.startswith(DOC_DIR):
+            doc = path[len(DOC_DIR):].removesuffix(".gz")
+            if "doc" not in entries.get(doc, set()):
+                problems.append(f"{where}: %files lacks %doc {doc} (the DEB installs {path})")
+            continue
+        target = rpm_path(path)
+        if target not in entries:
+            problems.append(f"{where}: %files lacks {target} (the DEB installs {path})")
+        elif target.startswith("/etc/") and "config(noreplace)" not in entries[target]:
+            problems.append(f"{where}: {target} is not %config(noreplace) (a conffile in the DEB)")
+    for path in sorted(dirs):
+        target = rpm_path(path)
+        if target not in entries:
+            problems.append(f"{where}: %files lacks %dir {target} (the DEB ships the directory)")
+    for pkg in sorted(packages):
+        if not uses_pyproject_files or pkg not in saved:
+            problems.append(f"{where}: the Python package {pkg} (in the DEB) is not in "
+                            "%pyproject_save_files with %files -f %{pyproject_files}")
+    return problems
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--deb", type=Path,
+                        help="compare %%files with this built .deb instead of packaging/debian")
+    parser.add_argument("--show", action="store_true", help="print the parsed spec")
+    args = parser.parse_args()
+    for tool in ("rpm", "rpmspec") + (("dpkg-deb",) if args.deb else ()):
+        if not shutil.which(tool):
+            return fail_lines([f"{tool} not found (Debian: apt-get install rpm; "
+                               "tools/setup-system installs it)"])
+    problems: list[str] = []
+    for fedora in FEDORA_RELEASES:
+        parsed, errors = parse_spec(fedora)
+        problems += errors
+        if args.show:
+            print(f"### fedora {fedora}\n{parsed}")
+        if parsed:
+            problems += check_parsed(parsed, fedora, args.deb)
+    if problems:
+        return fail_lines(problems)
+    against = str(args.deb) if args.deb else "packaging/debian"
+    print(f"check-rpm-spec: {SPEC.relative_to(ROOT)} OK for Fedora "
+          f"{', '.join(map(str, FEDORA_RELEASES))}; %files covers {against}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
