@@ -44,6 +44,10 @@ else
 	@echo "unit-py313: no Python 3.13 found; skipped"
 endif
 
+# The long load and crash runs (10,000 operations, 100 kill -9s); a summary table.
+soak: setup
+	$(PY) -m tests.soak
+
 # Packages: the .deb is built from the tree; the RPM spec is checked with rpmspec.
 deb: system
 	tools/build-deb

@@ -21,7 +21,7 @@ JSON output (stable; new keys may be added, none removed or renamed):
   left the bus; then `network_ready` is false and `last_error` is
   "agent not running").
 - `setup --json`, `show --json`: the agent's result, unchanged:
-  `{"sandbox": ID, "attachments": [{"network": NAME, "ifname": IF,
+  `{"sandbox": ID, "state": STATE, "attachments": [{"network": NAME, "ifname": IF,
   "result": CNI_RESULT}]}`, each CNI result in its network's cniVersion.
 - `list --json`: `{"sandboxes": [ID, ...]}`, sorted.
 """
@@ -309,7 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
         result. Prints one line per attachment: network, interface, addresses.""",
         "  $ cni-agent setup pod-1 /run/netns/pod-1 --network podnet --pod default/web\n"
         "  podnet  eth0  10.22.0.5/24", _setup,
-        'the agent\'s result: {"sandbox": ID, "attachments": [{"network", "ifname", "result"}]}')
+        'the agent\'s result: {"sandbox": ID, "state": STATE,'
+        ' "attachments": [{"network", "ifname", "result"}]}')
     p.add_argument("id", metavar="ID", help="the sandbox ID (CNI_CONTAINERID)")
     p.add_argument("netns", metavar="NETNS", help="path of the network namespace")
     p.add_argument("--network", dest="networks", metavar="NAME[:IFNAME]", type=_network,

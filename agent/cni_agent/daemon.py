@@ -83,9 +83,9 @@ class Daemon:
         )
         self.reaper = Reaper(self.runtime, self.store, self.gc_lock, self.monitor.networks)
         self.pod_cidrs = PodCIDRs(cfg.state_dir, cfg.pod_cidrs)
+        self.locks = SandboxLocks(os.path.join(cfg.runtime_dir, "locks"))
         self.manager = SandboxManager(
-            self.runtime, self.monitor, self.store,
-            SandboxLocks(os.path.join(cfg.runtime_dir, "locks")), self.gc_lock, self.reaper,
+            self.runtime, self.monitor, self.store, self.locks, self.gc_lock, self.reaper,
             self.pod_cidrs, SandboxTimeouts(lock=t.lock, ready=t.ready),
         )
         self.notifier = Notifier()
@@ -98,6 +98,9 @@ class Daemon:
         await self.reaper.collect()
 
     async def _recover(self) -> None:
+        stale = self.locks.sweep()
+        if stale:
+            log.info("removed %d lock file(s) left by an earlier run", len(stale))
         try:
             report = await self.reaper.recover()
         except Exception:

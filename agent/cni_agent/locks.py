@@ -128,6 +128,31 @@ class SandboxLocks:
                 # A done (cancelled) next head hands over itself in its finally.
                 queue[0].set_result(None)
 
+    def sweep(self) -> list[str]:
+        """Remove lock files nobody holds (left by a killed agent); returns their ids.
+
+        A file is removed only while we hold its lock, with the same
+        unlink-then-release protocol as a normal release, so a concurrent holder
+        (another process) is never disturbed.
+        """
+        try:
+            names = os.listdir(self._dir)
+        except FileNotFoundError:
+            return []
+        removed = []
+        for name in names:
+            if not name.endswith(".lock"):
+                continue
+            sandbox_id = name[: -len(".lock")]
+            if sandbox_id in self._queues:
+                continue  # in use by this process
+            path = os.path.join(self._dir, name)
+            fd = self._try_flock(path)
+            if fd >= 0:
+                _unlock(path, fd)
+                removed.append(sandbox_id)
+        return removed
+
     def _try_flock(self, path: str) -> int:
         """One non-blocking attempt: the fd holding the lock, or -1 if held elsewhere.
 

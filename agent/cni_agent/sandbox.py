@@ -64,13 +64,20 @@ class Timeouts:
     ready: float = 30.0
 
 
+# What Show reports besides the contract's keys: whether an operation is under way
+# (or was interrupted: a failed Teardown keeps its entries for the next attempt).
+STATES = {Phase.READY: "ready", Phase.ADDING: "setting-up", Phase.DELETING: "tearing-down"}
+
+
 def result_document(sandbox_id: str, entries: Sequence[CachedAttachment],
-                    order: Sequence[tuple[str, str]] = ()) -> dict[str, Any]:
+                    order: Sequence[tuple[str, str]] = (),
+                    phase: Phase = Phase.READY) -> dict[str, Any]:
     """The contract's result JSON: attachments in Setup order, each in its network's version."""
     rank = {key: i for i, key in enumerate(order)}
     ordered = sorted(entries, key=lambda e: (rank.get((e.network, e.ifname), len(rank)), e.path))
     return {
         "sandbox": sandbox_id,
+        "state": STATES[phase],
         "attachments": [
             {"network": e.network, "ifname": e.ifname, "result": dict(e.result or {})}
             for e in ordered
@@ -348,7 +355,7 @@ class SandboxManager:
         if not entries:
             raise AgentError(ErrorKind.NOT_FOUND, f"sandbox {sandbox_id} has no cached attachments")
         order = [(a.network, a.ifname) for a in rec.attachments] if rec else []
-        return result_document(sandbox_id, entries, order)
+        return result_document(sandbox_id, entries, order, rec.phase if rec else Phase.READY)
 
     async def list(self) -> list[str]:
         def scan() -> list[str]:

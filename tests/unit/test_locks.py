@@ -681,3 +681,27 @@ async def test_writer_cancelled_after_grant_hands_the_lock_back() -> None:
     await wait(asyncio.gather(*tasks.values(), return_exceptions=True))
     assert tasks["second"].cancelled() and got == ["third"]
     assert (rw._readers, rw._writer, len(rw._waiting_writers)) == (0, False, 0)
+
+
+async def test_sweep_removes_only_unheld_lock_files(tmp_path: Path) -> None:
+    import subprocess
+
+    locks = SandboxLocks(str(tmp_path))
+    (tmp_path / "stale.lock").write_text("")
+    (tmp_path / "other.txt").write_text("")
+    holder = subprocess.Popen(["flock", str(tmp_path / "held.lock"), "sleep", "30"])
+    try:
+        for _ in range(200):
+            if (tmp_path / "held.lock").exists():
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        async with locks.hold("mine", 5):
+            assert locks.sweep() == ["stale"]
+            assert (tmp_path / "mine.lock").exists()
+        assert (tmp_path / "held.lock").exists()
+        assert (tmp_path / "other.txt").exists()
+        assert not (tmp_path / "stale.lock").exists()
+    finally:
+        holder.kill()
+        holder.wait()
