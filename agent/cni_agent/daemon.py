@@ -167,11 +167,26 @@ class Daemon:
         self.notifier.start_watchdog()
         log.info("cni-agent serving %s on bus %s (conf_dir %s)", BUS_NAME,
                  self.cfg.bus, self.cfg.conf_dir)
-        await self._stop.wait()
-        await self._shutdown(bus)
+        stop = asyncio.ensure_future(self._stop.wait())
+        lost = asyncio.ensure_future(bus.wait_for_disconnect())
+        await asyncio.wait({stop, lost}, return_when=asyncio.FIRST_COMPLETED)
+        status = 0
+        if not stop.done():
+            # Without the bus nobody can reach us: exit non-zero so systemd restarts
+            # the service once the bus is back (Restart=on-failure).
+            log.error("lost the connection to the bus; exiting")
+            self.manager.accepting = False
+            await self.iface.in_flight.wait_idle()
+            await self.monitor.stop()
+            status = 1
+        else:
+            await self._shutdown(bus)
+        for task in (stop, lost):
+            task.cancel()
+        await asyncio.gather(stop, lost, return_exceptions=True)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
-        return 0
+        return status
 
     async def _shutdown(self, bus: MessageBus) -> None:
         self.manager.draining = True

@@ -322,3 +322,14 @@ def test_bad_config_exits_2_naming_the_key(tmp_path: Path, system_bus: Bus) -> N
                            capture_output=True, text=True)
     assert owner.returncode != 0
 
+
+
+def test_losing_the_bus_exits_non_zero_for_a_restart(
+    make_agent: Callable[..., Agent], tmp_path: Path
+) -> None:
+    bus = Bus("system")
+    agent = make_agent(bus=bus)
+    bus.stop()
+    assert agent.proc is not None
+    assert agent.proc.wait(30) == 1
+    assert "lost the connection to the bus" in agent.log()
