@@ -168,7 +168,7 @@ class Daemon:
         log.info("cni-agent serving %s on bus %s (conf_dir %s)", BUS_NAME,
                  self.cfg.bus, self.cfg.conf_dir)
         stop = asyncio.ensure_future(self._stop.wait())
-        lost = asyncio.ensure_future(bus.wait_for_disconnect())
+        lost = asyncio.ensure_future(bus.wait_for_disconnect())  # type: ignore[no-untyped-call]
         await asyncio.wait({stop, lost}, return_when=asyncio.FIRST_COMPLETED)
         status = 0
         if not stop.done():
