@@ -44,6 +44,14 @@ else
 	@echo "unit-py313: no Python 3.13 found; skipped"
 endif
 
+# Benchmarks: one table and out/bench.json (BENCH_ARGS="--only NAME" for one).
+BENCH_ARGS ?=
+bench: setup
+	$(PY) -m bench $(BENCH_ARGS)
+
+bench-smoke: setup
+	$(PY) -m bench --smoke $(BENCH_ARGS)
+
 # The long load and crash runs (10,000 operations, 100 kill -9s); a summary table.
 soak: setup
 	$(PY) -m tests.soak

@@ -14,12 +14,14 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 
 from dbus_fast import BusType
 from dbus_fast.aio import MessageBus
 from dbus_fast.constants import NameFlag, RequestNameReply
 
 from cni_agent.auth import Authorizer
+from cni_agent.cni.exec import ProcessExecutor, kill_leftovers
 from cni_agent.cni.runtime import CNIRuntime, Timeouts
 from cni_agent.config import AgentConfig
 from cni_agent.dbus_service import BUS_NAME, OBJECT_PATH, AgentInterface
@@ -65,8 +67,9 @@ class Daemon:
     def __init__(self, cfg: AgentConfig) -> None:
         self.cfg = cfg
         t = cfg.timeouts
+        self.instance = os.path.realpath(cfg.state_dir)
         self.runtime = CNIRuntime(
-            cfg.plugin_dirs, cfg.state_dir,
+            cfg.plugin_dirs, cfg.state_dir, executor=ProcessExecutor(instance=self.instance),
             timeouts=Timeouts(add=t.add, delete=t.delete, check=t.check, status=t.status,
                               gc=t.gc, version=t.version),
         )
@@ -136,6 +139,12 @@ class Daemon:
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
+        if sys.version_info < (3, 12):
+            # 3.11's default child watcher starts a thread per plugin process;
+            # pidfds (the default from 3.12 on) need none.
+            watcher = asyncio.PidfdChildWatcher()
+            watcher.attach_loop(loop)
+            asyncio.get_event_loop_policy().set_child_watcher(watcher)
         try:
             await asyncio.to_thread(_prepare_dirs, self.cfg)
         except OSError as e:
@@ -161,6 +170,11 @@ class Daemon:
             raise StartupError(f"the bus name {BUS_NAME} is already owned: is another cni-agent running?")
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.add_signal_handler(sig, self._on_signal, sig)
+        # Before any plugin of ours runs: plugins a killed predecessor left running
+        # (systemd's KillMode does this for us; a supervisor without it does not).
+        leftovers = await asyncio.to_thread(kill_leftovers, self.instance)
+        if leftovers:
+            log.warning("killed %d plugin process(es) left by an earlier run", len(leftovers))
         self._recovery = asyncio.create_task(self._recover(), name="cni-agent-recovery")
         await self.monitor.start()
         self.notifier.ready(self.monitor.state.status)

@@ -149,16 +149,18 @@ class Reaper:
             result = await self.runtime.gc(net, valid, netns_for=netns_for)
             report.deleted.extend((name, cid, ifname) for cid, ifname in result.deleted)
             report.errors.extend(f"network {name}: {e}" for e in result.errors)
-        await self._prune_records(records)
+        deleted = {(net, cid, ifname) for net, cid, ifname in report.deleted}
+        remaining = {(e.network, e.container_id, e.ifname) for e in entries} - deleted
+        await self._prune_records(records, remaining)
 
-    async def _prune_records(self, records: dict[str, SandboxRecord]) -> None:
+    async def _prune_records(self, records: dict[str, SandboxRecord],
+                             cached: set[tuple[str, str, str]]) -> None:
         """Drop attachments whose cache entries GC removed; drop empty records."""
         for rec in records.values():
             if rec.phase is not Phase.READY:
                 continue
-            cached = {(e.network, e.ifname) for e in
-                      await asyncio.to_thread(self.runtime.cache.for_container, rec.sandbox_id)}
-            kept = tuple(a for a in rec.attachments if (a.network, a.ifname) in cached)
+            kept = tuple(a for a in rec.attachments
+                         if (a.network, rec.sandbox_id, a.ifname) in cached)
             if kept == rec.attachments:
                 continue
             if kept:

@@ -12,6 +12,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field, replace
@@ -205,7 +206,7 @@ class SandboxManager:
                     raise AgentError(ErrorKind.PLUGIN_FAILED,
                                      f"sandbox {req.sandbox_id} has an unfinished earlier "
                                      f"operation that cannot be undone: {errors[0]}")
-            elif await asyncio.to_thread(self.runtime.cache.for_container, req.sandbox_id):
+            elif await asyncio.to_thread(self._cached_any, req.sandbox_id, intents):
                 raise AgentError(ErrorKind.INVALID_ARGUMENT,
                                  f"sandbox {req.sandbox_id} has cached attachments from another "
                                  "tool or an older run; tear it down first")
@@ -272,7 +273,7 @@ class SandboxManager:
         async with AsyncExitStack() as stack:
             await self._locked(stack, sandbox_id)
             rec = await asyncio.to_thread(self.store.read, sandbox_id)
-            entries = await asyncio.to_thread(self.runtime.cache.for_container, sandbox_id)
+            entries = await asyncio.to_thread(self._cached_of, sandbox_id, rec)
             if rec is None and not entries:
                 return  # nothing known: success, as DEL of nothing is
             intents = self._teardown_plan(sandbox_id, rec, entries)
@@ -289,6 +290,26 @@ class SandboxManager:
                                  f"teardown of {sandbox_id} incomplete, its cache entries are kept: "
                                  + "; ".join(errors))
             log.info("sandbox %s torn down", sandbox_id, extra={"SANDBOX_ID": sandbox_id})
+
+    def _cached_any(self, sandbox_id: str, intents: Sequence[AttachmentIntent]) -> bool:
+        """Whether any requested attachment already has a cache entry (direct lookups)."""
+        return any(os.path.exists(self.runtime.cache.path(a.network, sandbox_id, a.ifname))
+                   for a in intents)
+
+    def _cached_of(self, sandbox_id: str, rec: SandboxRecord | None) -> list[CachedAttachment]:
+        """The cache entries of a sandbox: its record says where (no directory scan,
+        which grows with the node); without a record, scan like libcni does."""
+        if rec is None:
+            return self.runtime.cache.for_container(sandbox_id)
+        entries = []
+        for a in rec.attachments:
+            try:
+                entry = self.runtime.cache.read(a.network, sandbox_id, a.ifname)
+            except CNIError:
+                continue  # unreadable: the record's own config is used for its DEL
+            if entry is not None:
+                entries.append(entry)
+        return entries
 
     def _teardown_plan(self, sandbox_id: str, rec: SandboxRecord | None,
                        entries: list[CachedAttachment]) -> tuple[AttachmentIntent, ...]:

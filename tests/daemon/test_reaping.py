@@ -104,8 +104,14 @@ def test_kill_9_during_setup_is_rolled_back_on_restart(
     assert len(allocations(tmp_path / "ipam", "pods")) == 1  # the leak libcni would leave
     assert agent.stop(signal.SIGKILL) == -signal.SIGKILL
     setup.wait(10)
+    hung = next(r["pid"] for r in control.records() if r["command"] == "ADD")
+    assert Path(f"/proc/{hung}").exists()  # outside systemd, nothing killed it yet
     control.clear("ADD")
     agent.start()
+    # The new agent kills its predecessor's plugins before rolling back.
+    wait_for(lambda: not Path(f"/proc/{hung}").exists() or
+             Path(f"/proc/{hung}/stat").read_text().split(") ")[1][0] == "Z", timeout=10)
+    assert "killed 1 plugin process(es) left by an earlier run" in agent.log()
     wait_for(lambda: allocations(tmp_path / "ipam", "pods") == [], timeout=15)
     assert addresses(netns) == []
     assert agent.call("ListSandboxes")[0] == []

@@ -270,7 +270,9 @@ async def test_thread_restored_when_socket_creation_fails(
         seen.append((st.st_dev, st.st_ino))
         raise OSError(24, "Too many open files")
 
-    monkeypatch.setattr(netns, "IPRoute", broken_iproute)
+    import pyroute2
+
+    monkeypatch.setattr(pyroute2, "IPRoute", broken_iproute)  # netns imports it at use
     for _ in range(4):
         with pytest.raises(netns.NetnsError, match="cannot open netlink socket"):
             await netns.interfaces(_path(ns))

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import errno
 import json
 import os
 import signal
 import stat
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -169,24 +168,57 @@ async def _drain_capped(stream: asyncio.StreamReader, cap: int) -> bytes:
     return bytes(buf)
 
 
-_PR_SET_PDEATHSIG = 1
+# Every plugin (and whatever it execs) carries this variable, so an agent
+# restarted after a crash can find and kill what its predecessor left running —
+# outside systemd's KillMode, nothing else would (see `kill_leftovers`).
+INSTANCE_ENV = "CNI_AGENT_INSTANCE"
 
 
-def _die_with_agent() -> Callable[[], None] | None:
-    """A pre-exec hook: the plugin is SIGKILLed if the agent dies (as systemd's
-    KillMode=control-group would), so a plugin can never finish an ADD after the
-    restarted agent has rolled it back. Resolved before fork: the hook itself only
-    makes one libc call."""
+def kill_leftovers(instance: str, proc_dir: str = "/proc") -> list[int]:
+    """SIGKILL every process whose environment carries our instance marker.
+
+    Called at start-up, before any plugin of ours runs: a plugin still running
+    then belongs to a killed predecessor and could otherwise finish an ADD
+    after the new agent rolled that sandbox back.
+    """
+    marker = f"{INSTANCE_ENV}={instance}".encode()
+    killed = []
+    for name in os.listdir(proc_dir):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(os.path.join(proc_dir, name, "environ"), "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if marker in env:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(name), signal.SIGKILL)
+                killed.append(int(name))
+    return killed
+
+
+async def _reap(proc: asyncio.subprocess.Process, grace: float = 5.0) -> None:
+    """Wait for a killed plugin, draining what is left in its pipes.
+
+    asyncio reports a process as finished only once every pipe reached EOF; a
+    reader that stopped early (output too large, timeout) would wait forever.
+    What is left is bounded by the pipe buffers, since the writers are dead.
+    """
+
+    async def drain(stream: asyncio.StreamReader | None) -> None:
+        while stream is not None and await stream.read(65536):
+            pass
+
     try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-
-    def hook() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
-    return hook
+        async with asyncio.timeout(grace):
+            await asyncio.gather(drain(proc.stdout), drain(proc.stderr))
+            await proc.wait()
+    except TimeoutError:
+        # Something outside the process group still holds a pipe open: stop
+        # reading it (the transport is asyncio's own handle on the pipes).
+        proc._transport.close()  # type: ignore[attr-defined]
+        await proc.wait()
 
 
 def _kill_group(pid: int) -> None:
@@ -205,19 +237,22 @@ class ProcessExecutor:
         busy_retries: int = 6,
         busy_delay: float = 0.2,
         base_env: Mapping[str, str] | None = None,
+        instance: str = "",
     ) -> None:
         self._max_stdout = max_stdout
         self._max_stderr = max_stderr
         self._busy_retries = busy_retries
         self._busy_delay = busy_delay
         self._base_env = base_env
-        self._preexec = _die_with_agent()
+        self._instance = instance
 
     def _environ(self, inv: Invocation) -> dict[str, str]:
         env = dict(os.environ if self._base_env is None else self._base_env)
         for key in _STRIPPED_ENV:
             env.pop(key, None)
         env.update(inv.environ())
+        if self._instance:
+            env[INSTANCE_ENV] = self._instance
         return env
 
     async def _spawn(self, plugin: str, binary: str, inv: Invocation) -> asyncio.subprocess.Process:
@@ -232,7 +267,6 @@ class ProcessExecutor:
                     env=env,
                     cwd="/",
                     start_new_session=True,  # own process group: a timeout kills it all
-                    preexec_fn=self._preexec,
                 )
             except OSError as e:
                 # A binary being replaced (package upgrade) is briefly busy.
@@ -271,13 +305,13 @@ class ProcessExecutor:
                 finally:
                     for t in (out_task, err_task):
                         t.cancel()
+                    await asyncio.gather(out_task, err_task, return_exceptions=True)
         except TimeoutError:
             raise PluginTimeout(plugin, inv.command, timeout) from None
         finally:
             # Always: kills a hung plugin, and any children it left behind.
             _kill_group(proc.pid)
-            if proc.returncode is None:
-                await asyncio.shield(proc.wait())
+            await asyncio.shield(_reap(proc))
         if rc != 0:
             raise _error_from_exit(plugin, inv.command, rc, out, err)
         return out

@@ -1,0 +1,16 @@
+"""The benchmarks, in the order they run: name → `run(smoke) -> dict`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from bench import concurrency, detection, footprint, overhead, real_plugins
+
+BENCHMARKS: dict[str, Callable[[bool], dict[str, Any]]] = {
+    "overhead": overhead.run,
+    "real_plugins": real_plugins.run,
+    "concurrency": concurrency.run,
+    "detection": detection.run,
+    "footprint": footprint.run,
+}
