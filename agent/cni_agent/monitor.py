@@ -153,7 +153,7 @@ class Monitor:
 
     async def start(self, watch: bool = True) -> None:
         if watch:
-            self._watcher = DirWatcher(self._watch_dirs, self._on_file_event, self._on_watch_error)
+            self._watcher = DirWatcher(self._watch_dirs, self.trigger, self._on_watch_error)
             try:
                 await self._watcher.start()
             except Exception as e:  # polling still works; say so
@@ -200,9 +200,6 @@ class Monitor:
             self._evaluated.notify_all()
 
     # --- the loop -------------------------------------------------------------
-
-    def _on_file_event(self, reason: str) -> None:
-        self.trigger(reason)
 
     def _on_watch_error(self, reason: str) -> None:
         log.warning("file watching failed, falling back to polling: %s", reason)

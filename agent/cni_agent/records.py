@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
-from cni_agent.cni.cache import atomic_write, fsync_dir
+from cni_agent.cni.cache import atomic_write
 from cni_agent.cni.errors import CacheError
 
 
@@ -111,9 +111,13 @@ class SandboxStore:
         return os.path.join(self.dir, f"{sandbox_id}.json")
 
     def write(self, record: SandboxRecord) -> None:
+        """Only the intent before the first ADD must survive a power loss: after
+        one, every namespace is gone and any other record state is reaped or
+        rolled back alike. A killed process loses nothing either way."""
         try:
             os.makedirs(self.dir, mode=0o700, exist_ok=True)
-            atomic_write(self.path(record.sandbox_id), json.dumps(record.to_json()).encode())
+            atomic_write(self.path(record.sandbox_id), json.dumps(record.to_json()).encode(),
+                         durable=record.phase is Phase.ADDING)
         except OSError as e:
             raise CacheError(f"cannot write sandbox record: {e}") from e
 
@@ -132,7 +136,6 @@ class SandboxStore:
             os.unlink(self.path(sandbox_id))
         except FileNotFoundError:
             return
-        fsync_dir(self.dir)
 
     def ids(self) -> list[str]:
         try:

@@ -196,7 +196,7 @@ class SandboxManager:
                                                 dict(req.capabilities)) for a in intents))
         async with AsyncExitStack() as stack:
             await self._locked(stack, req.sandbox_id)
-            existing = await asyncio.to_thread(self.store.read, req.sandbox_id)
+            existing, foreign = await asyncio.to_thread(self._lookup, req.sandbox_id, intents)
             if existing is not None:
                 if existing.phase is Phase.READY:
                     return await self._repeat(existing, req.netns, identity, digest)
@@ -206,7 +206,7 @@ class SandboxManager:
                     raise AgentError(ErrorKind.PLUGIN_FAILED,
                                      f"sandbox {req.sandbox_id} has an unfinished earlier "
                                      f"operation that cannot be undone: {errors[0]}")
-            elif await asyncio.to_thread(self._cached_any, req.sandbox_id, intents):
+            elif foreign:
                 raise AgentError(ErrorKind.INVALID_ARGUMENT,
                                  f"sandbox {req.sandbox_id} has cached attachments from another "
                                  "tool or an older run; tear it down first")
@@ -236,7 +236,7 @@ class SandboxManager:
             rt = RuntimeConf(rec.sandbox_id, rec.netns, intent.ifname, intent.args,
                              dict(intent.capabilities))
             try:
-                await self.runtime.add(net, rt)
+                result = await self.runtime.add(net, rt)
             except CNIError as e:
                 log.warning("setup of %s failed on %s/%s, rolling back: %s",
                             rec.sandbox_id, net.name, intent.ifname, e,
@@ -249,10 +249,8 @@ class SandboxManager:
                     err = AgentError(err.kind, f"{err.message} (cleanup failed, retried at the next "
                                                f"GC: {undo[0]})")
                 raise err from e
-            entry = await asyncio.to_thread(self.runtime.cache.read, net.name, rec.sandbox_id,
-                                            intent.ifname)
-            assert entry is not None
-            done.append(entry)
+            done.append(CachedAttachment(rec.sandbox_id, net.name, intent.ifname, rec.netns,
+                                         net.bytes, result=result))
         await asyncio.to_thread(self.store.write, rec.with_phase(Phase.READY))
         log.info("sandbox %s set up (%d attachment(s))", rec.sandbox_id, len(done),
                  extra={"SANDBOX_ID": rec.sandbox_id})
@@ -272,8 +270,7 @@ class SandboxManager:
             raise InvalidArgument("netns", "must be empty or an absolute path")
         async with AsyncExitStack() as stack:
             await self._locked(stack, sandbox_id)
-            rec = await asyncio.to_thread(self.store.read, sandbox_id)
-            entries = await asyncio.to_thread(self._cached_of, sandbox_id, rec)
+            rec, entries = await asyncio.to_thread(self._cached_of, sandbox_id)
             if rec is None and not entries:
                 return  # nothing known: success, as DEL of nothing is
             intents = self._teardown_plan(sandbox_id, rec, entries)
@@ -291,16 +288,22 @@ class SandboxManager:
                                  + "; ".join(errors))
             log.info("sandbox %s torn down", sandbox_id, extra={"SANDBOX_ID": sandbox_id})
 
-    def _cached_any(self, sandbox_id: str, intents: Sequence[AttachmentIntent]) -> bool:
-        """Whether any requested attachment already has a cache entry (direct lookups)."""
-        return any(os.path.exists(self.runtime.cache.path(a.network, sandbox_id, a.ifname))
-                   for a in intents)
+    def _lookup(self, sandbox_id: str, intents: Sequence[AttachmentIntent]
+                ) -> tuple[SandboxRecord | None, bool]:
+        """The sandbox's record, and whether a requested attachment is cached without one
+        (direct lookups: no directory scan, which would grow with the node)."""
+        rec = self.store.read(sandbox_id)
+        foreign = rec is None and any(
+            os.path.exists(self.runtime.cache.path(a.network, sandbox_id, a.ifname))
+            for a in intents)
+        return rec, foreign
 
-    def _cached_of(self, sandbox_id: str, rec: SandboxRecord | None) -> list[CachedAttachment]:
-        """The cache entries of a sandbox: its record says where (no directory scan,
-        which grows with the node); without a record, scan like libcni does."""
+    def _cached_of(self, sandbox_id: str) -> tuple[SandboxRecord | None, list[CachedAttachment]]:
+        """The record and cache entries of a sandbox: its record says where (no
+        directory scan, which grows with the node); without a record, scan like libcni."""
+        rec = self.store.read(sandbox_id)
         if rec is None:
-            return self.runtime.cache.for_container(sandbox_id)
+            return None, self.runtime.cache.for_container(sandbox_id)
         entries = []
         for a in rec.attachments:
             try:
@@ -309,7 +312,7 @@ class SandboxManager:
                 continue  # unreadable: the record's own config is used for its DEL
             if entry is not None:
                 entries.append(entry)
-        return entries
+        return rec, entries
 
     def _teardown_plan(self, sandbox_id: str, rec: SandboxRecord | None,
                        entries: list[CachedAttachment]) -> tuple[AttachmentIntent, ...]:

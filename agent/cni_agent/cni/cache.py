@@ -62,8 +62,12 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def atomic_write(path: str, data: bytes, mode: int = 0o600) -> None:
-    """Write a file so a crash leaves either the old or the new content."""
+def atomic_write(path: str, data: bytes, mode: int = 0o600, durable: bool = True) -> None:
+    """Write a file so a crash leaves either the old or the new content.
+
+    The rename alone survives a killed process; `durable` adds the fsyncs that
+    make it survive a power loss too (for writes a recovery depends on).
+    """
     directory = os.path.dirname(path)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
     try:
@@ -71,13 +75,15 @@ def atomic_write(path: str, data: bytes, mode: int = 0o600) -> None:
             os.fchmod(f.fileno(), mode)
             f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.rename(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    fsync_dir(directory)
+    if durable:
+        fsync_dir(directory)
 
 
 class ResultCache:
@@ -101,13 +107,14 @@ class ResultCache:
             raise CacheError(f"cannot write result cache: {e}") from e
 
     def delete(self, network: str, container_id: str, ifname: str) -> None:
+        # Not fsynced: an entry that reappears after a power loss names an
+        # attachment whose namespace is gone, which GC reaps (DEL is idempotent).
         try:
             os.unlink(self.path(network, container_id, ifname))
         except FileNotFoundError:
             return
         except OSError as e:
             raise CacheError(f"cannot remove cache entry: {e}") from e
-        fsync_dir(self.dir)
 
     def read_path(self, path: str) -> CachedAttachment:
         """Read one entry; CacheError when it is unreadable or not ours."""
@@ -154,21 +161,6 @@ class ResultCache:
 
     def all(self) -> list[CachedAttachment]:
         return self._scan(None, {})
-
-    def corrupt_entries(self, container_id: str | None = None) -> list[str]:
-        """Paths of entries that cannot be parsed (shown to users, cleaned by DEL)."""
-        bad = []
-        for name in self._names():
-            if container_id is not None and f"-{container_id}-" not in name:
-                continue
-            path = os.path.join(self.dir, name)
-            try:
-                self.read_path(path)
-            except CacheError:
-                bad.append(path)
-            except FileNotFoundError:
-                pass
-        return bad
 
 
 def _entry_from_json(doc: Any, path: str) -> CachedAttachment:
