@@ -55,7 +55,7 @@ async def rollback(runtime: CNIRuntime, store: SandboxStore, rec: SandboxRecord)
         rt = RuntimeConf(rec.sandbox_id, netns, intent.ifname, intent.args, dict(intent.capabilities))
         try:
             net = parse_list(intent.config, f"record of {rec.sandbox_id}")
-            await runtime.delete(net, rt)
+            await _delete(runtime, net, rt)
         except CNIError as e:
             errors.append(f"{intent.network}/{intent.ifname}: {e}")
             remaining.append(intent)
@@ -66,6 +66,26 @@ async def rollback(runtime: CNIRuntime, store: SandboxStore, rec: SandboxRecord)
     else:
         await asyncio.to_thread(store.delete, rec.sandbox_id)
     return errors
+
+
+async def _delete(runtime: CNIRuntime, net: NetworkConfigList, rt: RuntimeConf) -> None:
+    """DEL; if it fails while the args carry keys the plugin may not know, once more
+    with IgnoreUnknown=1.
+
+    A plugin that rejected the caller's CNI_ARGS on ADD ("unknown args") rejects
+    them on every DEL too, which would leave the sandbox impossible to clean up.
+    The DEL does not need those args; IgnoreUnknown is the spec's way to say so.
+    """
+    try:
+        await runtime.delete(net, rt)
+    except CNIError:
+        if not rt.args or any(k == "IgnoreUnknown" for k, _ in rt.args):
+            raise
+        relaxed = RuntimeConf(rt.container_id, rt.netns, rt.ifname,
+                              (("IgnoreUnknown", "1"), *rt.args), rt.capability_args)
+        await runtime.delete(net, relaxed)
+        log.info("DEL of %s/%s succeeded only with IgnoreUnknown=1 added to its args",
+                 rt.container_id, rt.ifname, extra={"SANDBOX_ID": rt.container_id})
 
 
 class Reaper:

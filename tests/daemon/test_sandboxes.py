@@ -218,3 +218,24 @@ def test_unknown_option_and_wrong_option_type_name_the_field(
     out = agent.busctl("call", "org.cniagent.Agent1", "/org/cniagent/Agent1", "org.cniagent.Agent1",
                        "Setup", "ssa{sv}", "x", netns, *options(capabilities="[1, 2]"), check=False)
     assert "options.capabilities: must be a JSON object" in out.stderr
+
+
+def test_args_a_plugin_rejects_fail_setup_cleanly(
+    make_agent: Callable[..., Agent], bridge_conf: Callable[..., str], netns: str, tmp_path: Path
+) -> None:
+    """bridge rejects unknown CNI_ARGS (no IgnoreUnknown): the ADD fails with the plugin's
+    words, and the rollback DEL, which would fail the same way, still cleans up."""
+    bridge_conf("strict", "10.219.0.0/24")
+    agent = make_agent()
+    out = agent.gdbus("Setup", "strict", netns, "{'args': <{'IP': '10.219.0.77'}>}")
+    assert "org.cniagent.Agent1.Error.PluginFailed" in out.stderr
+    assert 'plugin bridge ADD failed (code 999): ARGS: unknown args ["IP=10.219.0.77"]' in out.stderr
+    assert "cleanup failed" not in out.stderr
+    assert agent.call("ListSandboxes")[0] == []
+    assert allocations(tmp_path / "ipam", "strict") == []
+    assert addresses(netns) == []
+    # With IgnoreUnknown (what pod metadata adds) the same args are fine.
+    result = agent.setup("strict", netns, args={"IgnoreUnknown": "1", "IP": "10.219.0.77"})
+    assert result["attachments"][0]["result"]["ips"][0]["address"] == "10.219.0.77/24"
+    agent.call("Teardown", "ssa{sv}", "strict", netns, "0")
+    assert allocations(tmp_path / "ipam", "strict") == []
