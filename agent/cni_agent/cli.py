@@ -53,7 +53,8 @@ from cni_agent.cli_output import (
     format_change,
     format_status,
 )
-from cni_agent.client import AgentClient, ClientError, PodRef, SandboxResult, SetupOptions
+from cni_agent.client import AgentClient, ClientError, SandboxResult, SetupOptions
+from cni_agent.cni.args import PodMeta
 from cni_agent.config import ConfigFileError, load_config
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -225,11 +226,11 @@ def _key_value(value: str) -> tuple[str, str]:
     return key, val
 
 
-def _pod(value: str) -> PodRef:
+def _pod(value: str) -> PodMeta:
     parts = value.split("/")
     if len(parts) not in (2, 3) or not all(parts):
         raise argparse.ArgumentTypeError(f"{value!r} is not NAMESPACE/NAME or NAMESPACE/NAME/UID")
-    return PodRef(*parts)
+    return PodMeta(*parts)
 
 
 def _capabilities(value: str) -> str:

@@ -22,6 +22,7 @@ from typing import Any, cast
 from dbus_fast import Message, MessageType, Variant
 from dbus_fast.aio import MessageBus
 
+from cni_agent.cni.args import PodMeta
 from cni_agent.dbus_service import BUS_NAME, ERROR_PREFIX, INTERFACE, OBJECT_PATH
 from cni_agent.errors import ErrorKind
 
@@ -191,19 +192,12 @@ class SandboxResult:
 
 
 @dataclass(frozen=True)
-class PodRef:
-    namespace: str
-    name: str
-    uid: str = ""
-
-
-@dataclass(frozen=True)
 class SetupOptions:
     """Setup's options; empty fields are left out (the agent's defaults apply)."""
 
     networks: tuple[tuple[str, str], ...] = ()  # (network, ifname); "" ifname = the agent picks
     args: tuple[tuple[str, str], ...] = ()
-    pod: PodRef | None = None
+    pod: PodMeta | None = None
     capabilities: str | None = None  # a JSON object
 
     def to_dbus(self) -> dict[str, Variant]:
