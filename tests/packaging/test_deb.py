@@ -27,6 +27,7 @@ EXPECTED = [
     "/lib/systemd/system/cni-agent.service",
     "/usr/share/dbus-1/system.d/org.cniagent.Agent1.conf",
     "/usr/share/dbus-1/system-services/org.cniagent.Agent1.service",
+    "/usr/share/dbus-1/interfaces/org.cniagent.Agent1.xml",
     "/usr/lib/sysusers.d/cni-agent.conf",
     "/usr/lib/tmpfiles.d/cni-agent.conf",
     "/etc/cni-agent/agent.yaml",
