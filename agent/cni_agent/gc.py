@@ -15,14 +15,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from cni_agent.cni.cache import CachedAttachment
 from cni_agent.cni.config import NetworkConfigList, parse_list
-from cni_agent.cni.errors import CNIError, ConfigError
-from cni_agent.cni.runtime import CNIRuntime, RuntimeConf, cached_config
+from cni_agent.cni.errors import CNIError
+from cni_agent.cni.runtime import CNIRuntime, RuntimeConf, cached_config, netns_if_present
 from cni_agent.locks import RWLock
-from cni_agent.netns import is_netns, netns_identity
+from cni_agent.netns import netns_identity
 from cni_agent.records import Phase, SandboxRecord, SandboxStore
 
 log = logging.getLogger(__name__)
@@ -60,8 +60,7 @@ async def rollback(runtime: CNIRuntime, store: SandboxStore, rec: SandboxRecord)
             errors.append(f"{intent.network}/{intent.ifname}: {e}")
             remaining.append(intent)
     if remaining:
-        kept = SandboxRecord(rec.sandbox_id, rec.netns, rec.netns_id, rec.phase,
-                             tuple(reversed(remaining)), rec.request)
+        kept = replace(rec, attachments=tuple(reversed(remaining)))
         await asyncio.to_thread(store.write, kept)
     else:
         await asyncio.to_thread(store.delete, rec.sandbox_id)
@@ -141,32 +140,30 @@ class Reaper:
         records = {r.sandbox_id: r for r in (await asyncio.to_thread(self.store.all))[0]}
         entries = await asyncio.to_thread(self.runtime.cache.all)
 
+        def netns_for(entry: CachedAttachment) -> str:
+            rec = records.get(entry.container_id)
+            # Written by another tool: no identity recorded, the path must still be a netns.
+            return record_netns(rec) if rec is not None else netns_if_present(entry)
+
         def live(entry: CachedAttachment) -> bool:
             if valid_ids is not None:
                 return entry.container_id in valid_ids
             rec = records.get(entry.container_id)
-            if rec is not None:
-                return rec.phase is Phase.READY and bool(record_netns(rec))
-            # Written by another tool: no identity recorded, the path must still be a netns.
-            return bool(entry.netns) and is_netns(entry.netns)
-
-        def netns_for(entry: CachedAttachment) -> str:
-            rec = records.get(entry.container_id)
-            if rec is not None:
-                return record_netns(rec)
-            return entry.netns if entry.netns and is_netns(entry.netns) else ""
+            return (rec is None or rec.phase is Phase.READY) and bool(netns_for(entry))
 
         configured = {n.name: n for n in self._networks()}
         by_network: dict[str, list[CachedAttachment]] = {}
         for entry in entries:
             by_network.setdefault(entry.network, []).append(entry)
         for name in sorted(set(configured) | set(by_network)):
-            net = configured.get(name) or _first_config(by_network.get(name, []))
+            cached = by_network.get(name, [])
+            # A network gone from conf_dir is still DELed with the config its entries stored.
+            net = configured.get(name) or next(filter(None, map(cached_config, cached)), None)
             if net is None:
                 report.errors.append(f"network {name}: no usable config to DEL its stale attachments")
                 continue
-            valid = [(e.container_id, e.ifname) for e in by_network.get(name, []) if live(e)]
-            result = await self.runtime.gc(net, valid, netns_for=netns_for)
+            valid = [(e.container_id, e.ifname) for e in cached if live(e)]
+            result = await self.runtime.gc(net, valid, netns_for=netns_for, entries=cached)
             report.deleted.extend((name, cid, ifname) for cid, ifname in result.deleted)
             report.errors.extend(f"network {name}: {e}" for e in result.errors)
         deleted = {(net, cid, ifname) for net, cid, ifname in report.deleted}
@@ -184,18 +181,7 @@ class Reaper:
             if kept == rec.attachments:
                 continue
             if kept:
-                await asyncio.to_thread(self.store.write, SandboxRecord(
-                    rec.sandbox_id, rec.netns, rec.netns_id, rec.phase, kept, rec.request))
+                await asyncio.to_thread(self.store.write, replace(rec, attachments=kept))
             else:
                 await asyncio.to_thread(self.store.delete, rec.sandbox_id)
 
-
-def _first_config(entries: list[CachedAttachment]) -> NetworkConfigList | None:
-    for entry in entries:
-        try:
-            net = cached_config(entry)
-        except ConfigError:
-            net = None
-        if net is not None:
-            return net
-    return None

@@ -26,7 +26,7 @@ from cni_agent.cni.args import (
     validate_network_name,
 )
 from cni_agent.cni.cache import CachedAttachment
-from cni_agent.cni.config import NetworkConfigList, parse_list
+from cni_agent.cni.config import NetworkConfigList, parse_list_or_none
 from cni_agent.cni.errors import CNIError, ConfigError, InvalidArgument
 from cni_agent.cni.runtime import CNIRuntime, RuntimeConf, cached_config
 from cni_agent.errors import AgentError, ErrorKind, classify
@@ -86,8 +86,10 @@ def result_document(sandbox_id: str, entries: Sequence[CachedAttachment],
     }
 
 
-def _digest(attachments: Sequence[AttachmentIntent]) -> str:
-    doc = [[a.network, a.ifname, [list(kv) for kv in a.args], a.capabilities] for a in attachments]
+def _digest(attachments: Sequence[AttachmentIntent], capabilities: Mapping[str, Any]) -> str:
+    """Identifies a request (the caller's capabilities, not the pod CIDRs added to them)."""
+    doc = [[a.network, a.ifname, [list(kv) for kv in a.args], dict(capabilities)]
+           for a in attachments]
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
 
 
@@ -192,8 +194,7 @@ class SandboxManager:
             AttachmentIntent(net.name, r.ifname, net.bytes, args, caps)
             for net, r in zip(nets, requests, strict=True)
         )
-        digest = _digest(tuple(AttachmentIntent(a.network, a.ifname, b"", a.args,
-                                                dict(req.capabilities)) for a in intents))
+        digest = _digest(intents, req.capabilities)
         async with AsyncExitStack() as stack:
             await self._locked(stack, req.sandbox_id)
             existing, foreign = await asyncio.to_thread(self._lookup, req.sandbox_id, intents)
@@ -331,7 +332,7 @@ class SandboxManager:
             if cached is not None and cached_config(cached) is not None:
                 a = AttachmentIntent(a.network, a.ifname, cached.config, cached.cni_args,
                                      dict(cached.capability_args))
-            elif not _parses(a.config):
+            elif parse_list_or_none(a.config) is None:
                 current = self.monitor.network(a.network)
                 if current is not None:
                     a = AttachmentIntent(a.network, a.ifname, current.bytes, a.args, a.capabilities)
@@ -352,15 +353,15 @@ class SandboxManager:
         check_netns(netns)
         async with AsyncExitStack() as stack:
             await self._locked(stack, sandbox_id)
-            rec = await asyncio.to_thread(self.store.read, sandbox_id)
+            rec, entries = await asyncio.to_thread(self._cached_of, sandbox_id)
             if rec is None or rec.phase is not Phase.READY:
                 raise AgentError(ErrorKind.NOT_FOUND, f"sandbox {sandbox_id} is not set up")
             if rec.netns != netns or record_netns(rec) != netns:
                 raise AgentError(ErrorKind.INVALID_ARGUMENT,
                                  f"sandbox {sandbox_id} is set up in netns {rec.netns}, not {netns}")
+            by_key = {(e.network, e.ifname): e for e in entries}
             for a in rec.attachments:
-                entry = await asyncio.to_thread(self.runtime.cache.read, a.network, sandbox_id,
-                                                a.ifname)
+                entry = by_key.get((a.network, a.ifname))
                 if entry is None:
                     raise AgentError(ErrorKind.NOT_FOUND,
                                      f"sandbox {sandbox_id}: no cached result for {a.network}/{a.ifname}")
@@ -372,8 +373,7 @@ class SandboxManager:
     async def show(self, sandbox_id: str) -> dict[str, Any]:
         try:
             validate_container_id(sandbox_id)
-            rec = await asyncio.to_thread(self.store.read, sandbox_id)
-            entries = await asyncio.to_thread(self.runtime.cache.for_container, sandbox_id)
+            rec, entries = await asyncio.to_thread(self._cached_of, sandbox_id)
         except Exception as e:
             raise classify(e) from e
         if not entries:
@@ -404,10 +404,3 @@ class SandboxManager:
                              f"garbage collection finished with {len(report.errors)} error(s): "
                              + report.errors[0])
 
-
-def _parses(config: bytes) -> bool:
-    try:
-        parse_list(config)
-    except ConfigError:
-        return False
-    return True

@@ -113,6 +113,14 @@ def parse_list(data: bytes, source: str = "<bytes>") -> NetworkConfigList:
     return _list_from_object(obj, data, source)
 
 
+def parse_list_or_none(data: bytes, source: str = "<bytes>") -> NetworkConfigList | None:
+    """`parse_list`, or None when the bytes are not a usable list (stored configs)."""
+    try:
+        return parse_list(data, source)
+    except ConfigError:
+        return None
+
+
 def parse_single(data: bytes, source: str = "<bytes>") -> NetworkConfigList:
     """Parse a `.conf`/`.json` holding one plugin; it becomes a one-plugin list."""
     obj = _load_object(data, source)

@@ -148,24 +148,25 @@ def _error_from_exit(plugin: str, verb: str, rc: int, out: bytes, err: bytes) ->
     return ExecError(plugin, verb, f"exited with status {rc} without an error result: {text}")
 
 
-async def _read_capped(stream: asyncio.StreamReader, cap: int) -> tuple[bytes, bool]:
-    """Read to EOF keeping at most `cap` bytes; True when more was offered."""
+async def _read_capped(
+    stream: asyncio.StreamReader, cap: int, stop_at_cap: bool = True
+) -> tuple[bytes, bool]:
+    """Read keeping at most `cap` bytes; True when more was offered.
+
+    Stops at the cap (stdout: an error, the plugin is killed) or reads on to EOF
+    discarding the rest (stderr: noise must never block the plugin).
+    """
     buf = bytearray()
+    over = False
     while chunk := await stream.read(65536):
         if len(buf) + len(chunk) > cap:
             buf.extend(chunk[: cap - len(buf)])
-            return bytes(buf), True
-        buf.extend(chunk)
-    return bytes(buf), False
-
-
-async def _drain_capped(stream: asyncio.StreamReader, cap: int) -> bytes:
-    """Read to EOF keeping the first `cap` bytes (stderr must never block the child)."""
-    buf = bytearray()
-    while chunk := await stream.read(65536):
-        if len(buf) < cap:
-            buf.extend(chunk[: cap - len(buf)])
-    return bytes(buf)
+            over = True
+            if stop_at_cap:
+                break
+        else:
+            buf.extend(chunk)
+    return bytes(buf), over
 
 
 # Every plugin (and whatever it execs) carries this variable, so an agent
@@ -291,7 +292,8 @@ class ProcessExecutor:
         try:
             async with asyncio.timeout(timeout):
                 out_task = asyncio.ensure_future(_read_capped(proc.stdout, self._max_stdout))
-                err_task = asyncio.ensure_future(_drain_capped(proc.stderr, self._max_stderr))
+                err_task = asyncio.ensure_future(
+                    _read_capped(proc.stderr, self._max_stderr, stop_at_cap=False))
                 try:
                     with contextlib.suppress(BrokenPipeError, ConnectionResetError):
                         proc.stdin.write(stdin)
@@ -303,7 +305,7 @@ class ProcessExecutor:
                             plugin, inv.command,
                             f"printed more than {self._max_stdout} bytes (process group killed)",
                         )
-                    err = await err_task
+                    err = (await err_task)[0]
                     rc = await proc.wait()
                 finally:
                     for t in (out_task, err_task):

@@ -15,7 +15,7 @@ from typing import Any
 
 from cni_agent.cni.args import format_cni_args
 from cni_agent.cni.cache import CachedAttachment, ResultCache
-from cni_agent.cni.config import NetworkConfigList, PluginConf, parse_list
+from cni_agent.cni.config import NetworkConfigList, PluginConf, parse_list_or_none
 from cni_agent.cni.errors import (
     CNIError,
     ConfigError,
@@ -75,12 +75,17 @@ def plugin_stdin(
     plugin: PluginConf,
     prev_result: Mapping[str, Any] | None = None,
     capability_args: Mapping[str, Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> bytes:
-    """The JSON a plugin reads: its own config with the list's name/version injected."""
+    """The JSON a plugin reads: its own config with the list's name/version injected.
+
+    STATUS and GC pass neither a prevResult nor capabilities, GC adds `extra`.
+    """
     conf = dict(plugin.raw)
     conf["name"] = net.name
     conf["cniVersion"] = net.cni_version
     conf.pop("runtimeConfig", None)
+    conf.pop("prevResult", None)
     if prev_result is not None:
         conf["prevResult"] = dict(prev_result)
     runtime = {
@@ -88,16 +93,7 @@ def plugin_stdin(
     }
     if runtime:
         conf["runtimeConfig"] = runtime
-    return json.dumps(conf).encode()
-
-
-def _status_stdin(net: NetworkConfigList, plugin: PluginConf, extra: Mapping[str, Any]) -> bytes:
-    conf = dict(plugin.raw)
-    conf["name"] = net.name
-    conf["cniVersion"] = net.cni_version
-    conf.pop("runtimeConfig", None)
-    conf.pop("prevResult", None)
-    conf.update(extra)
+    conf.update(extra or {})
     return json.dumps(conf).encode()
 
 
@@ -253,7 +249,7 @@ class CNIRuntime:
             return False
         inv = self._invocation("STATUS")
         for plugin in net.plugins:
-            await self._run(net, plugin, inv, _status_stdin(net, plugin, {}), self.timeouts.status)
+            await self._run(net, plugin, inv, plugin_stdin(net, plugin), self.timeouts.status)
         return True
 
     # --- GC ----------------------------------------------------------------
@@ -264,18 +260,22 @@ class CNIRuntime:
         valid: Iterable[tuple[str, str]],
         *,
         netns_for: Callable[[CachedAttachment], str] | None = None,
+        entries: Sequence[CachedAttachment] | None = None,
     ) -> GCReport:
         """DEL cached attachments of `net` not in `valid`, then the GC verb.
 
         Continues past errors (every plugin gets its GC). `netns_for` chooses the
         netns passed to each stale DEL; the default passes the cached path only
-        if it is still a network namespace.
+        if it is still a network namespace. `entries` are the network's cache
+        entries when the caller has read them already (a node-wide GC reads the
+        cache once, not once per network).
         """
         valid_set = {(c, i) for c, i in valid}
-        pick = netns_for or _netns_if_present
+        pick = netns_for or netns_if_present
         deleted: list[tuple[str, str]] = []
         errors: list[str] = []
-        entries = await asyncio.to_thread(self.cache.for_network, net.name)
+        if entries is None:
+            entries = await asyncio.to_thread(self.cache.for_network, net.name)
         for entry in entries:
             if (entry.container_id, entry.ifname) in valid_set:
                 continue
@@ -293,7 +293,7 @@ class CNIRuntime:
             for plugin in net.plugins:
                 try:
                     await self._run(
-                        net, plugin, inv, _status_stdin(net, plugin, extra), self.timeouts.gc
+                        net, plugin, inv, plugin_stdin(net, plugin, extra=extra), self.timeouts.gc
                     )
                 except CNIError as e:
                     errors.append(str(e))
@@ -337,11 +337,9 @@ class CNIRuntime:
 
 def cached_config(entry: CachedAttachment) -> NetworkConfigList | None:
     """The list an attachment was added with (from its cache entry), if it parses."""
-    try:
-        return parse_list(entry.config, entry.path or entry.network)
-    except ConfigError:
-        return None
+    return parse_list_or_none(entry.config, entry.path or entry.network)
 
 
-def _netns_if_present(entry: CachedAttachment) -> str:
+def netns_if_present(entry: CachedAttachment) -> str:
+    """The cached netns path if it still is a network namespace, else the empty string."""
     return entry.netns if entry.netns and is_netns(entry.netns) else ""
