@@ -27,7 +27,7 @@ from bench.harness import Client, Lab, conflist, proc_cpu, proc_rss_kib
 from bench.report import figure, result
 from cni_agent.cni.cache import CachedAttachment, ResultCache
 from cni_agent.netns import netns_identity
-from cni_agent.records import AttachmentIntent, Phase, SandboxRecord, SandboxStore
+from cni_agent.records import Attachment, Phase, SandboxRecord, SandboxStore
 from tests.support.plugins import write_conf
 
 NETWORKS = 10
@@ -97,8 +97,8 @@ def populate(state_dir: Path, count: int, netns: str, config: bytes) -> None:
         cache.write(CachedAttachment(sid, "noopnet", "eth0", netns, config, result={
             "cniVersion": "1.0.0", "interfaces": [{"name": "eth0", "sandbox": netns}],
             "ips": [{"address": ip, "interface": 0}]}))
-        store.write(SandboxRecord(sid, netns, identity, Phase.READY,
-                                  (AttachmentIntent("noopnet", "eth0", config),)))
+        store.write(SandboxRecord(sid, netns, identity,
+                                  (Attachment("noopnet", "eth0", config, phase=Phase.READY),)))
 
 
 def startup_curve(reps: int) -> dict[str, dict[int, list[float]]]:

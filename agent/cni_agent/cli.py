@@ -79,7 +79,7 @@ def _run(args: argparse.Namespace) -> int:
         return asyncio.run(Daemon(cfg).run())
     except StartupError as e:
         print(f"cni-agent: {e}", file=sys.stderr)
-        return EXIT_FAILED
+        return e.exit_status
 
 
 # --- the client commands ------------------------------------------------------------

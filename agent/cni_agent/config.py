@@ -49,6 +49,13 @@ class AccessConfig:
 
 
 @dataclass(frozen=True)
+class GCConfig:
+    # Networks the GC verb is sent to: names, or "*". Default none: on a node
+    # whose conf dir a runtime shares, GC would release the runtime's pods.
+    networks: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class AgentConfig:
     conf_dir: str = "/etc/cni/net.d"
     plugin_dirs: tuple[str, ...] = ("/opt/cni/bin", "/usr/libexec/cni", "/usr/lib/cni")
@@ -61,6 +68,7 @@ class AgentConfig:
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
     shutdown_drain: float = 10.0
     access: AccessConfig = field(default_factory=AccessConfig)
+    gc: GCConfig = field(default_factory=GCConfig)
     bus: str = "system"
     log_level: str = "info"
     source: str = "(defaults)"
@@ -141,6 +149,7 @@ _SECTIONS: dict[str, tuple[type[Any], Mapping[str, Any]]] = {
     "timeouts": (TimeoutsConfig, {"del" if f.name == "delete" else f.name: _duration
                                   for f in dataclasses.fields(TimeoutsConfig)}),
     "access": (AccessConfig, {"groups": _str_list}),
+    "gc": (GCConfig, {"networks": _str_list}),
 }
 
 

@@ -21,25 +21,23 @@ from dbus_fast.aio import MessageBus
 from dbus_fast.constants import NameFlag, RequestNameReply
 
 from cni_agent.auth import Authorizer
-from cni_agent.cni.exec import ProcessExecutor, kill_leftovers
-from cni_agent.cni.runtime import CNIRuntime, Timeouts
+from cni_agent.cni.exec import kill_leftovers
 from cni_agent.config import AgentConfig
+from cni_agent.core import build_core, instance_of
 from cni_agent.dbus_service import BUS_NAME, OBJECT_PATH, AgentInterface
-from cni_agent.fallback import fallback_network
-from cni_agent.gc import Reaper
-from cni_agent.locks import RWLock, SandboxLocks
-from cni_agent.monitor import Monitor, NetworkState
+from cni_agent.locks import StateDirBusy, lock_state_dir
+from cni_agent.monitor import NetworkState
 from cni_agent.notify import Notifier
-from cni_agent.podcidrs import PodCIDRs
-from cni_agent.records import SandboxStore
-from cni_agent.sandbox import SandboxManager
-from cni_agent.sandbox import Timeouts as SandboxTimeouts
 
 log = logging.getLogger(__name__)
 
 
 class StartupError(Exception):
     """The daemon cannot start; the message is one line for the user."""
+
+    def __init__(self, message: str, exit_status: int = 1) -> None:
+        super().__init__(message)
+        self.exit_status = exit_status
 
 
 async def connect(bus: str) -> MessageBus:
@@ -66,44 +64,21 @@ def _prepare_dirs(cfg: AgentConfig) -> None:
 class Daemon:
     def __init__(self, cfg: AgentConfig) -> None:
         self.cfg = cfg
-        t = cfg.timeouts
-        self.instance = os.path.realpath(cfg.state_dir)
-        self.runtime = CNIRuntime(
-            cfg.plugin_dirs, cfg.state_dir, executor=ProcessExecutor(instance=self.instance),
-            timeouts=Timeouts(add=t.add, delete=t.delete, check=t.check, status=t.status,
-                              gc=t.gc, version=t.version),
-        )
-        self.store = SandboxStore(cfg.state_dir)
-        self.gc_lock = RWLock()
-        self.monitor = Monitor(
-            self.runtime, cfg.conf_dir,
-            default_network=cfg.default_network,
-            fallback=fallback_network(cfg.state_dir) if cfg.fallback_network else None,
-            startup_interval=cfg.monitor.startup_interval,
-            interval=cfg.monitor.interval,
-            grace_period=cfg.monitor.grace_period,
-            on_ready=self._gc_on_ready,
-        )
-        self.reaper = Reaper(self.runtime, self.store, self.gc_lock, self.monitor.networks)
-        self.pod_cidrs = PodCIDRs(cfg.state_dir, cfg.pod_cidrs)
-        self.locks = SandboxLocks(os.path.join(cfg.runtime_dir, "locks"))
-        self.manager = SandboxManager(
-            self.runtime, self.monitor, self.store, self.locks, self.gc_lock, self.reaper,
-            self.pod_cidrs, SandboxTimeouts(lock=t.lock, ready=t.ready),
-        )
+        self.instance = instance_of(cfg)
+        self.core = build_core(cfg)
+        self.monitor = self.core.monitor
+        self.reaper = self.core.reaper
+        self.locks = self.core.locks
+        self.pod_cidrs = self.core.pod_cidrs
+        self.manager = self.core.manager
         self.notifier = Notifier()
         self._stop = asyncio.Event()
         self._signals = 0
         self._recovery: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Future[None]] = set()
 
-    async def _gc_on_ready(self) -> None:
-        await self.reaper.collect()
-
     async def _recover(self) -> None:
-        stale = self.locks.sweep()
-        if stale:
-            log.info("removed %d lock file(s) left by an earlier run", len(stale))
+        """Runs before any sandbox operation may (they wait for `reaper.recovered`)."""
         try:
             report = await self.reaper.recover()
         except Exception:
@@ -147,8 +122,26 @@ class Daemon:
             asyncio.get_event_loop_policy().set_child_watcher(watcher)
         try:
             await asyncio.to_thread(_prepare_dirs, self.cfg)
+            state_lock = lock_state_dir(self.cfg.state_dir)
         except OSError as e:
             raise StartupError(f"cannot prepare {e.filename}: {e.strerror}") from None
+        except StateDirBusy as e:
+            raise StartupError(str(e), exit_status=2) from None
+        try:
+            return await self._start(loop)
+        finally:
+            os.close(state_lock)
+
+    async def _start(self, loop: asyncio.AbstractEventLoop) -> int:
+        # Nothing of an earlier run may act once we serve: its plugins are killed
+        # and its lock files swept before the bus name (bus activation delivers
+        # queued calls the moment we own it; they then wait for recovery).
+        leftovers = await asyncio.to_thread(kill_leftovers, self.instance)
+        if leftovers:
+            log.warning("killed %d plugin process(es) left by an earlier run", len(leftovers))
+        stale = self.locks.sweep()
+        if stale:
+            log.info("removed %d lock file(s) left by an earlier run", len(stale))
         try:
             bus = await connect(self.cfg.bus)
         except Exception as e:
@@ -170,11 +163,6 @@ class Daemon:
             raise StartupError(f"the bus name {BUS_NAME} is already owned: is another cni-agent running?")
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.add_signal_handler(sig, self._on_signal, sig)
-        # Before any plugin of ours runs: plugins a killed predecessor left running
-        # (systemd's KillMode does this for us; a supervisor without it does not).
-        leftovers = await asyncio.to_thread(kill_leftovers, self.instance)
-        if leftovers:
-            log.warning("killed %d plugin process(es) left by an earlier run", len(leftovers))
         self._recovery = asyncio.create_task(self._recover(), name="cni-agent-recovery")
         await self.monitor.start()
         self.notifier.ready(self.monitor.state.status)
@@ -191,7 +179,7 @@ class Daemon:
             log.error("lost the connection to the bus; exiting")
             self.manager.accepting = False
             await self.iface.in_flight.wait_idle()
-            await self.monitor.stop()
+            await self.core.stop()
             status = 1
         else:
             await self._shutdown(bus)
@@ -215,7 +203,7 @@ class Daemon:
         await self.iface.in_flight.wait_idle()
         if self._recovery is not None and not self._recovery.done():
             self._recovery.cancel()
-        await self.monitor.stop()
+        await self.core.stop()
         await self.notifier.stop()
         with contextlib.suppress(Exception):
             await bus.release_name(BUS_NAME)

@@ -13,6 +13,7 @@ from cni_agent.cni.errors import (
     ConfigError,
     ExecError,
     InvalidArgument,
+    NoCachedResult,
     PluginError,
     PluginTimeout,
     ResultError,
@@ -29,6 +30,7 @@ class ErrorKind(StrEnum):
     TIMEOUT = "Timeout"
     ACCESS_DENIED = "AccessDenied"
     SHUTTING_DOWN = "ShuttingDown"
+    CANCELLED = "Cancelled"
 
 
 class AgentError(Exception):
@@ -46,6 +48,8 @@ def classify(exc: BaseException) -> AgentError:
         return exc
     if isinstance(exc, InvalidArgument):
         return AgentError(ErrorKind.INVALID_ARGUMENT, str(exc))
+    if isinstance(exc, NoCachedResult):
+        return AgentError(ErrorKind.NOT_FOUND, str(exc))
     if isinstance(exc, PluginTimeout):
         return AgentError(ErrorKind.TIMEOUT, str(exc))
     if isinstance(exc, LockTimeout):

@@ -1,29 +1,37 @@
 """Garbage collection and reaping: the leaks users hit after crashes and reboots.
 
-Three jobs, all under the node-wide GC lock (exclusive of every ADD and DEL):
-- finish what a killed agent left half-done (records not "ready" are rolled
-  back with DEL, using the exact config bytes recorded before the first ADD);
+Exclusion, in three lines: reaping a sandbox holds that sandbox's lock, taken
+only if free (a busy sandbox is live; the next GC looks again); the GC verb of
+a network waits for an instant with no ADD/DEL on that network, never blocking
+one, and is retried later if none comes. So a GC never makes another
+sandbox's operation wait or fail.
+
+The jobs:
+- finish what a killed agent left half-done (attachments not "ready" are
+  DELed with the exact config bytes recorded before their ADD);
 - DEL cached attachments whose sandbox is gone: its namespace was deleted, or
   its path now names another namespace (the reboot case), or — on demand —
   the runtime says it is not valid. Such DELs get an empty netns: a reused
   path must never reach a plugin;
-- send the GC verb with the live attachments (CNI >= 1.1.0).
+- send the GC verb with the live attachments (CNI >= 1.1.0), to the networks
+  the operator declared the agent's own (`gc.networks`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from cni_agent.cni.cache import CachedAttachment
-from cni_agent.cni.config import NetworkConfigList, parse_list
-from cni_agent.cni.errors import CNIError
-from cni_agent.cni.runtime import CNIRuntime, RuntimeConf, cached_config, netns_if_present
-from cni_agent.locks import RWLock
-from cni_agent.netns import netns_identity
-from cni_agent.records import Phase, SandboxRecord, SandboxStore
+from cni_agent.cni.config import NetworkConfigList
+from cni_agent.cni.result import version_at_least
+from cni_agent.journal import Journal, record_netns
+from cni_agent.locks import LockTimeout, NetworkLocks, SandboxLocks
+from cni_agent.netns import is_netns
+from cni_agent.records import Phase, SandboxRecord
 
 log = logging.getLogger(__name__)
 
@@ -32,156 +40,205 @@ log = logging.getLogger(__name__)
 class GCReport:
     rolled_back: list[str] = field(default_factory=list)
     deleted: list[tuple[str, str, str]] = field(default_factory=list)  # network, sandbox, ifname
+    busy: list[str] = field(default_factory=list)  # sandboxes in use: looked at next time
+    deferred: list[str] = field(default_factory=list)  # networks whose GC verb waits for a quiet instant
     errors: list[str] = field(default_factory=list)
 
 
-def record_netns(rec: SandboxRecord | None) -> str:
-    """The record's netns path if it still names the namespace recorded at ADD, else ""."""
-    if rec is None or not rec.netns or rec.netns_id is None:
-        return ""
-    return rec.netns if netns_identity(rec.netns) == rec.netns_id else ""
+@dataclass(frozen=True)
+class _Snapshot:
+    records: dict[str, SandboxRecord]
+    entries: dict[str, list[CachedAttachment]]  # by sandbox
+    unreadable: list[str]
 
 
-async def rollback(runtime: CNIRuntime, store: SandboxStore, rec: SandboxRecord) -> list[str]:
-    """DEL every attachment of a record (reverse order); drop it when all succeeded.
-
-    Returns the errors; on any error the record stays (phase "deleting" or
-    "adding") with only the attachments still to remove, for the next attempt.
-    """
-    netns = record_netns(rec)
-    errors: list[str] = []
-    remaining = []
-    for intent in reversed(rec.attachments):
-        rt = RuntimeConf(rec.sandbox_id, netns, intent.ifname, intent.args, dict(intent.capabilities))
-        try:
-            net = parse_list(intent.config, f"record of {rec.sandbox_id}")
-            await _delete(runtime, net, rt)
-        except CNIError as e:
-            errors.append(f"{intent.network}/{intent.ifname}: {e}")
-            remaining.append(intent)
-    if remaining:
-        kept = replace(rec, attachments=tuple(reversed(remaining)))
-        await asyncio.to_thread(store.write, kept)
-    else:
-        await asyncio.to_thread(store.delete, rec.sandbox_id)
-    return errors
-
-
-async def _delete(runtime: CNIRuntime, net: NetworkConfigList, rt: RuntimeConf) -> None:
-    """DEL; if it fails while the args carry keys the plugin may not know, once more
-    with IgnoreUnknown=1.
-
-    A plugin that rejected the caller's CNI_ARGS on ADD ("unknown args") rejects
-    them on every DEL too, which would leave the sandbox impossible to clean up.
-    The DEL does not need those args; IgnoreUnknown is the spec's way to say so.
-    """
-    try:
-        await runtime.delete(net, rt)
-    except CNIError:
-        if not rt.args or any(k == "IgnoreUnknown" for k, _ in rt.args):
-            raise
-        relaxed = RuntimeConf(rt.container_id, rt.netns, rt.ifname,
-                              (("IgnoreUnknown", "1"), *rt.args), rt.capability_args)
-        await runtime.delete(net, relaxed)
-        log.info("DEL of %s/%s succeeded only with IgnoreUnknown=1 added to its args",
-                 rt.container_id, rt.ifname, extra={"SANDBOX_ID": rt.container_id})
+def gc_verb_allowed(declared: Collection[str]) -> Callable[[str], bool]:
+    """`gc.networks`: names, or "*" for every network."""
+    names = frozenset(declared)
+    return lambda network: "*" in names or network in names
 
 
 class Reaper:
     def __init__(
         self,
-        runtime: CNIRuntime,
-        store: SandboxStore,
-        gc_lock: RWLock,
+        journal: Journal,
+        locks: SandboxLocks,
+        netlocks: NetworkLocks,
         networks: Callable[[], Sequence[NetworkConfigList]],
-        lock_timeout: float | None = None,
+        *,
+        gc_verb: Callable[[str], bool] = lambda network: False,
+        lock_timeout: float = 60.0,
+        verb_wait: float = 10.0,
+        retry_delay: float = 30.0,
     ) -> None:
-        self.runtime = runtime
-        self.store = store
-        self.gc_lock = gc_lock
+        self.journal = journal
+        self.locks = locks
+        self.netlocks = netlocks
         self._networks = networks
+        self._gc_verb = gc_verb
         self._lock_timeout = lock_timeout
+        self._verb_wait = verb_wait
+        self._retry_delay = retry_delay
+        # Set once start-up recovery is over: no sandbox operation runs before.
+        self.recovered = asyncio.Event()
+        self._retry: asyncio.Task[None] | None = None
 
     async def recover(self) -> GCReport:
         """Start-up: finish or undo what a killed agent left half-done."""
-        async with self.gc_lock.write(self._lock_timeout):
-            report = GCReport()
-            await self._finish_incomplete(report)
-            return report
+        report = GCReport()
+        try:
+            snap = await asyncio.to_thread(self._snapshot)
+            self._note_unreadable(snap, report)
+            for sid, rec in sorted(snap.records.items()):
+                if rec.phase is not Phase.READY:
+                    await self._reap(sid, None, report, wait=self._lock_timeout)
+        finally:
+            self.recovered.set()
+        return report
 
     async def collect(self, valid_ids: Collection[str] | None = None) -> GCReport:
         """Reap stale attachments and send GC; `valid_ids` overrides liveness detection."""
-        async with self.gc_lock.write(self._lock_timeout):
+        await self.recovered.wait()
+        report = GCReport()
+        snap = await asyncio.to_thread(self._snapshot)
+        self._note_unreadable(snap, report)
+        candidates = await asyncio.to_thread(self._candidates, snap, valid_ids)
+        for sid in candidates:
+            await self._reap(sid, valid_ids, report, wait=0)
+        await self._send_gc_verbs([n for n in self._networks() if self._gc_verb(n.name)], report)
+        for err in report.errors:
+            log.warning("gc: %s", err)
+        if report.deleted or report.rolled_back:
+            log.info("gc: removed %d stale attachment(s), rolled back %d sandbox(es)",
+                     len(report.deleted), len(report.rolled_back))
+        return report
+
+    async def stop(self) -> None:
+        if self._retry is not None:
+            self._retry.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._retry
+
+    # --- what to look at ---------------------------------------------------------
+
+    def _snapshot(self) -> _Snapshot:
+        records, bad = self.journal.store.all()
+        entries: dict[str, list[CachedAttachment]] = {}
+        for e in self.journal.runtime.cache.all():
+            entries.setdefault(e.container_id, []).append(e)
+        return _Snapshot({r.sandbox_id: r for r in records}, entries, bad)
+
+    @staticmethod
+    def _note_unreadable(snap: _Snapshot, report: GCReport) -> None:
+        for sid in snap.unreadable:
+            report.errors.append(f"sandbox record {sid} is unreadable; left in place")
+
+    @staticmethod
+    def _candidates(snap: _Snapshot, valid_ids: Collection[str] | None) -> list[str]:
+        """Sandboxes that may need work (decided again under their lock); blocking."""
+        out = []
+        for sid in sorted(set(snap.records) | set(snap.entries)):
+            rec = snap.records.get(sid)
+            if valid_ids is not None and sid not in valid_ids:
+                out.append(sid)
+            elif rec is not None:
+                if rec.phase is not Phase.READY or not record_netns(rec):
+                    out.append(sid)
+            elif any(not _present(e) for e in snap.entries[sid]):
+                out.append(sid)
+        return out
+
+    # --- one sandbox, under its lock ----------------------------------------------
+
+    async def _reap(self, sid: str, valid_ids: Collection[str] | None, report: GCReport,
+                    wait: float) -> None:
+        try:
+            async with self.locks.hold(sid, wait):
+                await self._reap_locked(sid, valid_ids, report)
+        except LockTimeout:
+            report.busy.append(sid)  # an operation is under way: not stale now
+
+    async def _reap_locked(self, sid: str, valid_ids: Collection[str] | None,
+                           report: GCReport) -> None:
+        rec, entries = await self.journal.view(sid)
+        netns = await self.journal.live_netns(rec)
+        unfinished = [a.ifname for a in rec.attachments if a.phase is not Phase.READY] if rec else []
+        if rec is not None and unfinished:
+            _, errors = await self.journal.remove(rec, unfinished, netns, entries)
+            self._account(report, sid, errors, rolled_back=True)
+            rec, entries = await self.journal.view(sid)
+        foreign = [e for e in entries.values() if not _in(rec, e)]
+        if valid_ids is not None and sid not in valid_ids:
+            dead, stale = rec is not None, foreign
+        else:
+            # A recorded sandbox is dead when its namespace is; a cache entry of
+            # another tool (no identity recorded) when its path is no namespace.
+            dead = rec is not None and not netns
+            stale = [e for e in foreign if not await asyncio.to_thread(_present, e)]
+        doomed = {e.ifname for e in stale}
+        if dead and rec is not None:
+            doomed |= {a.ifname for a in rec.attachments}
+        if not doomed:
+            return
+        claimed = await self.journal.claim(sid, rec, {(e.network, e.ifname): e for e in stale})
+        # A namespace still the recorded one gets its DEL (the caller may have
+        # declared a live sandbox invalid); any other path, none.
+        left, errors = await self.journal.remove(claimed, doomed, netns, entries)
+        kept = {a.ifname for a in left.attachments} if left else set()
+        report.deleted.extend((a.network, sid, a.ifname) for a in claimed.attachments
+                              if a.ifname in doomed and a.ifname not in kept)
+        self._account(report, sid, errors)
+
+    @staticmethod
+    def _account(report: GCReport, sid: str, errors: list[str], rolled_back: bool = False) -> None:
+        if errors:
+            report.errors.extend(f"sandbox {sid}: {e}" for e in errors)
+        elif rolled_back:
+            report.rolled_back.append(sid)
+            log.info("rolled back the unfinished attachments of sandbox %s", sid,
+                     extra={"SANDBOX_ID": sid})
+
+    # --- the GC verb ------------------------------------------------------------------
+
+    async def _send_gc_verbs(self, networks: Sequence[NetworkConfigList], report: GCReport) -> None:
+        for net in networks:
+            if not version_at_least(net.cni_version, "1.1.0") or net.disable_gc:
+                continue
+            try:
+                async with self.netlocks.exclusive(net.name, self._verb_wait):
+                    # No chain of this network runs now: the cache is exactly what is attached.
+                    entries = await asyncio.to_thread(self.journal.runtime.cache.for_network, net.name)
+                    valid = [(e.container_id, e.ifname) for e in entries]
+                    report.errors.extend(f"network {net.name}: {e}"
+                                         for e in await self.journal.runtime.gc(net, valid))
+            except LockTimeout:
+                report.deferred.append(net.name)
+        if report.deferred:
+            log.info("gc: the GC verb of %s waits for a moment without ADD/DEL; retried in %gs",
+                     ", ".join(report.deferred), self._retry_delay)
+            self._schedule_retry(report.deferred)
+
+    def _schedule_retry(self, names: Sequence[str]) -> None:
+        if self._retry is not None and not self._retry.done():
+            return
+
+        async def retry() -> None:
+            await asyncio.sleep(self._retry_delay)
+            self._retry = None  # a retry that is deferred again schedules the next one
+            wanted = set(names)
             report = GCReport()
-            await self._finish_incomplete(report)
-            await self._reap(report, None if valid_ids is None else set(valid_ids))
+            await self._send_gc_verbs([n for n in self._networks() if n.name in wanted], report)
             for err in report.errors:
                 log.warning("gc: %s", err)
-            if report.deleted or report.rolled_back:
-                log.info("gc: removed %d stale attachment(s), rolled back %d sandbox(es)",
-                         len(report.deleted), len(report.rolled_back))
-            return report
 
-    async def _finish_incomplete(self, report: GCReport) -> None:
-        records, bad = await asyncio.to_thread(self.store.all)
-        for sid in bad:
-            report.errors.append(f"sandbox record {sid} is unreadable; left in place")
-        for rec in records:
-            if rec.phase is Phase.READY:
-                continue
-            errors = await rollback(self.runtime, self.store, rec)
-            if errors:
-                report.errors.extend(f"sandbox {rec.sandbox_id}: {e}" for e in errors)
-            else:
-                report.rolled_back.append(rec.sandbox_id)
-                log.info("rolled back sandbox %s (interrupted while %s)", rec.sandbox_id, rec.phase)
+        self._retry = asyncio.create_task(retry(), name="cni-agent-gc-retry")
 
-    async def _reap(self, report: GCReport, valid_ids: set[str] | None) -> None:
-        records = {r.sandbox_id: r for r in (await asyncio.to_thread(self.store.all))[0]}
-        entries = await asyncio.to_thread(self.runtime.cache.all)
 
-        def netns_for(entry: CachedAttachment) -> str:
-            rec = records.get(entry.container_id)
-            # Written by another tool: no identity recorded, the path must still be a netns.
-            return record_netns(rec) if rec is not None else netns_if_present(entry)
+def _in(rec: SandboxRecord | None, entry: CachedAttachment) -> bool:
+    return rec is not None and rec.attachment(entry.ifname) is not None
 
-        def live(entry: CachedAttachment) -> bool:
-            if valid_ids is not None:
-                return entry.container_id in valid_ids
-            rec = records.get(entry.container_id)
-            return (rec is None or rec.phase is Phase.READY) and bool(netns_for(entry))
 
-        configured = {n.name: n for n in self._networks()}
-        by_network: dict[str, list[CachedAttachment]] = {}
-        for entry in entries:
-            by_network.setdefault(entry.network, []).append(entry)
-        for name in sorted(set(configured) | set(by_network)):
-            cached = by_network.get(name, [])
-            # A network gone from conf_dir is still DELed with the config its entries stored.
-            net = configured.get(name) or next(filter(None, map(cached_config, cached)), None)
-            if net is None:
-                report.errors.append(f"network {name}: no usable config to DEL its stale attachments")
-                continue
-            valid = [(e.container_id, e.ifname) for e in cached if live(e)]
-            result = await self.runtime.gc(net, valid, netns_for=netns_for, entries=cached)
-            report.deleted.extend((name, cid, ifname) for cid, ifname in result.deleted)
-            report.errors.extend(f"network {name}: {e}" for e in result.errors)
-        deleted = {(net, cid, ifname) for net, cid, ifname in report.deleted}
-        remaining = {(e.network, e.container_id, e.ifname) for e in entries} - deleted
-        await self._prune_records(records, remaining)
-
-    async def _prune_records(self, records: dict[str, SandboxRecord],
-                             cached: set[tuple[str, str, str]]) -> None:
-        """Drop attachments whose cache entries GC removed; drop empty records."""
-        for rec in records.values():
-            if rec.phase is not Phase.READY:
-                continue
-            kept = tuple(a for a in rec.attachments
-                         if (a.network, rec.sandbox_id, a.ifname) in cached)
-            if kept == rec.attachments:
-                continue
-            if kept:
-                await asyncio.to_thread(self.store.write, replace(rec, attachments=kept))
-            else:
-                await asyncio.to_thread(self.store.delete, rec.sandbox_id)
-
+def _present(entry: CachedAttachment) -> bool:
+    """Whether a cache entry's netns path (written by another tool: no identity
+    recorded) still is a network namespace; blocking."""
+    return bool(entry.netns) and is_netns(entry.netns)

@@ -1,10 +1,11 @@
-"""Per-sandbox locks and the node's GC readers-writer lock.
+"""Per-sandbox locks, and per-network exclusion for the GC verb.
 
-Sandbox operations (ADD/DEL/CHECK) take `RWLock.read()` and then
-`SandboxLocks.hold(id)`; GC takes `RWLock.write()`, so it excludes them all.
-Every wait only awaits on the event loop (the file lock is polled with LOCK_NB
-rather than blocking a thread), so the loop stays responsive, deadlines are
-exact and cancellation takes effect at once.
+Every operation on a sandbox (Setup, Teardown, Check, reaping) holds
+`SandboxLocks.hold(id)`; each ADD/DEL chain also holds `NetworkLocks.use()`
+of its network, which the GC verb of that network takes alone. Every wait
+only awaits on the event loop (the file lock is polled with LOCK_NB rather
+than blocking a thread), so the loop stays responsive, deadlines are exact and
+cancellation takes effect at once.
 """
 
 from __future__ import annotations
@@ -64,6 +65,38 @@ def _unlock(path: str, fd: int) -> None:
         os.close(fd)
 
 
+class StateDirBusy(Exception):
+    """Another agent holds the state dir; `pid` is what it wrote there (0: unknown)."""
+
+    def __init__(self, path: str, pid: int) -> None:
+        who = f"pid {pid}" if pid else "a process whose pid is not recorded"
+        super().__init__(f"{os.path.dirname(path)} is in use by another cni-agent ({who}); "
+                         "two agents on one state_dir would undo each other's work")
+        self.pid = pid
+
+
+def lock_state_dir(state_dir: str) -> int:
+    """Hold `<state_dir>/agent.lock` for the life of the process; returns its fd.
+
+    The second agent on a state dir must refuse to start: it would kill the
+    first one's plugins and roll back its in-flight sandboxes as "interrupted".
+    """
+    path = os.path.join(state_dir, "agent.lock")
+    fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            pid = int(os.pread(fd, 32, 0).decode().strip() or 0)
+        except (OSError, ValueError):
+            pid = 0
+        os.close(fd)
+        raise StateDirBusy(path, pid) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
 class SandboxLocks:
     """One lock per sandbox id: FIFO within this process, flock across processes.
 
@@ -83,17 +116,21 @@ class SandboxLocks:
         """Ids currently held by this process (diagnostics and tests)."""
         return sorted(self._held)
 
-    def hold(self, sandbox_id: str, timeout: float) -> AbstractAsyncContextManager[None]:
-        """Hold the lock of `sandbox_id`; LockTimeout if not acquired within `timeout`."""
+    def hold(self, sandbox_id: str, timeout: float,
+             deadline: float | None = None) -> AbstractAsyncContextManager[None]:
+        """Hold the lock of `sandbox_id`; LockTimeout if not acquired within `timeout`
+        (or by `deadline`, in loop time, when the caller's budget started earlier)."""
         path = os.path.join(self._dir, _lock_name(sandbox_id))
         if os.path.dirname(path) != self._dir:  # cannot happen; never trust it blindly
             raise ValueError(f"lock file for {sandbox_id!r} would escape {self._dir}")
-        return self._hold(sandbox_id, path, timeout)
+        return self._hold(sandbox_id, path, timeout, deadline)
 
     @asynccontextmanager
-    async def _hold(self, sandbox_id: str, path: str, limit: float) -> AsyncIterator[None]:
+    async def _hold(self, sandbox_id: str, path: str, limit: float,
+                    deadline: float | None) -> AsyncIterator[None]:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + limit  # one budget for queueing and the file lock
+        if deadline is None:
+            deadline = loop.time() + limit  # one budget for queueing and the file lock
         queue = self._queues.setdefault(sandbox_id, deque())
         me: asyncio.Future[None] = loop.create_future()
         queue.append(me)
@@ -178,83 +215,62 @@ class SandboxLocks:
         return -1
 
 
-class RWLock:
-    """Asyncio readers-writer lock, writer-preferring and FIFO among writers.
+class NetworkLocks:
+    """Per network: ADD/DEL chains share it, the GC verb needs it alone.
 
-    Once a writer waits, new readers queue behind it, so a steady stream of
-    sandbox operations can never starve GC. Timeouts raise LockTimeout(name).
+    The GC verb must not run while an ADD or DEL of its network is in flight
+    (the spec; an in-flight ADD is in no valid-attachments list). A waiting GC
+    never makes anyone wait: it takes a network only at an instant when no
+    chain runs on it, and gives up after its timeout (the caller retries
+    later). Chains wait only while a GC verb actually runs, which is bounded
+    by the plugins' GC timeout.
     """
 
-    def __init__(self, name: str = "gc") -> None:
-        self._name = name
-        self._readers = 0
-        self._writer = False
-        self._waiting_readers: deque[asyncio.Future[None]] = deque()
-        self._waiting_writers: deque[asyncio.Future[None]] = deque()
+    def __init__(self) -> None:
+        self._users: dict[str, int] = {}
+        self._gc: dict[str, asyncio.Event] = {}  # set when that network's GC verb ends
+        self._idle: dict[str, asyncio.Event] = {}  # set when the last chain of a network ends
 
-    def read(self, timeout: float | None = None) -> AbstractAsyncContextManager[None]:
-        return self._acquire(False, timeout)
-
-    def write(self, timeout: float | None = None) -> AbstractAsyncContextManager[None]:
-        return self._acquire(True, timeout)
+    def busy(self, network: str) -> bool:
+        return self._users.get(network, 0) > 0 or network in self._gc
 
     @asynccontextmanager
-    async def _acquire(self, write: bool, limit: float | None) -> AsyncIterator[None]:
-        # Waiting readers exist only behind an active or waiting writer, so
-        # these checks also keep arrival order.
-        if not self._writer and not self._waiting_writers and (not write or not self._readers):
-            if write:
-                self._writer = True
-            else:
-                self._readers += 1
-        else:
-            await self._wait(write, limit)  # on return the lock was granted to us
+    async def use(self, network: str, timeout: float) -> AsyncIterator[None]:
+        """Hold `network` for one ADD/DEL chain."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while (done := self._gc.get(network)) is not None:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await done.wait()
+            except TimeoutError:
+                raise LockTimeout(network, timeout, f"network {network} (its GC is running)") from None
+        self._users[network] = self._users.get(network, 0) + 1
         try:
             yield
         finally:
-            self._release(write)
+            self._users[network] -= 1
+            if not self._users[network]:
+                del self._users[network]
+                idle = self._idle.pop(network, None)
+                if idle is not None:
+                    idle.set()
 
-    async def _wait(self, write: bool, limit: float | None) -> None:
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        queue = self._waiting_writers if write else self._waiting_readers
-        queue.append(fut)
-        granted = False
+    @asynccontextmanager
+    async def exclusive(self, network: str, timeout: float) -> AsyncIterator[None]:
+        """Hold `network` alone (the GC verb); LockTimeout if no idle instant came."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.busy(network):
+            waiting = self._gc.get(network) or self._idle.setdefault(network, asyncio.Event())
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await waiting.wait()
+            except TimeoutError:
+                raise LockTimeout(network, timeout, f"network {network}") from None
+        done = self._gc[network] = asyncio.Event()
         try:
-            async with asyncio.timeout(limit):
-                await fut
-            granted = True
-        except TimeoutError:
-            raise LockTimeout(self._name, limit or 0.0) from None
+            yield
         finally:
-            if not granted:
-                if fut.done() and not fut.cancelled():
-                    self._release(write)  # granted just as we gave up: hand it back
-                else:
-                    if fut in queue:
-                        queue.remove(fut)
-                    self._wake()  # a writer giving up may free the readers behind it
-
-    def _release(self, write: bool) -> None:
-        if write:
-            self._writer = False
-        else:
-            self._readers -= 1
-        self._wake()
-
-    def _wake(self) -> None:
-        """Grant the lock to whoever is next, by updating state on their behalf."""
-        if self._writer:
-            return
-        writers = self._waiting_writers
-        while writers and writers[0].done():  # cancelled, its task not yet resumed
-            writers.popleft()
-        if writers:
-            if not self._readers:
-                self._writer = True
-                writers.popleft().set_result(None)
-            return  # writer preference: readers stay queued behind it
-        while self._waiting_readers:
-            fut = self._waiting_readers.popleft()
-            if not fut.done():
-                self._readers += 1
-                fut.set_result(None)
+            del self._gc[network]
+            done.set()

@@ -19,6 +19,7 @@ import fcntl
 import logging
 import os
 import stat
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -28,6 +29,7 @@ from cni_agent.cni.errors import InvalidArgument
 __all__ = [
     "Interface",
     "NetnsError",
+    "NetnsId",
     "bring_up_loopback",
     "check_netns",
     "interfaces",
@@ -38,6 +40,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 NS_GET_NSTYPE = 0xB703  # ioctl on an nsfs fd: returns the CLONE_NEW* type
+NS_GET_ID = 0x8008B70D  # _IOR(0xb7, 13, u64): the namespace's id, never reused (Linux >= 6.11)
 CLONE_NEWNET = 0x40000000
 _NS_TYPES = {
     0x00020000: "mnt",
@@ -64,6 +67,69 @@ class NetnsError(Exception):
         super().__init__(f"network namespace {_show(path)}: {reason}")
         self.path = path
         self.reason = reason
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+@dataclass(frozen=True)
+class NetnsId:
+    """Which namespace a path named when it was recorded.
+
+    (st_dev, st_ino) of an nsfs file is reused once the namespace is freed; the
+    kernel's namespace id (NS_GET_ID) is not, within a boot. Both are kept,
+    with the boot they belong to.
+    """
+
+    dev: int
+    ino: int
+    nsid: int | None = None
+    boot: str = ""
+
+    def same(self, other: NetnsId | None) -> bool:
+        """Whether `other` is certainly or (without a kernel id) plausibly the same namespace."""
+        if other is None:
+            return False
+        if self.boot and other.boot and self.boot != other.boot:
+            return False
+        if self.nsid is not None and other.nsid is not None:
+            return self.nsid == other.nsid
+        return (self.dev, self.ino) == (other.dev, other.ino)
+
+    @property
+    def certain(self) -> bool:
+        """True when identity rests on the kernel's unique id, not on a reusable inode."""
+        return self.nsid is not None
+
+    def to_json(self) -> dict[str, object]:
+        return {"dev": self.dev, "ino": self.ino, "nsId": self.nsid, "boot": self.boot}
+
+    @classmethod
+    def from_json(cls, doc: object) -> NetnsId | None:
+        if isinstance(doc, list) and len(doc) == 2:  # records of 0.1.0: [dev, ino]
+            return cls(int(doc[0]), int(doc[1]))
+        if isinstance(doc, dict):
+            nsid = doc.get("nsId")
+            return cls(int(doc["dev"]), int(doc["ino"]), None if nsid is None else int(nsid),
+                       str(doc.get("boot", "")))
+        return None
+
+
+def fd_identity(fd: int) -> NetnsId:
+    """The identity of the namespace an nsfs fd refers to."""
+    st = os.fstat(fd)
+    buf = bytearray(8)
+    try:
+        fcntl.ioctl(fd, NS_GET_ID, buf, True)
+        nsid: int | None = int.from_bytes(buf, sys.byteorder)
+    except OSError:  # older kernels: ENOTTY
+        nsid = None
+    return NetnsId(st.st_dev, st.st_ino, nsid, _boot_id())
 
 
 @dataclass(frozen=True)
@@ -142,15 +208,14 @@ def _show(path: str) -> str:
     return repr(path if len(path) <= 80 else path[:77] + "...")
 
 
-def netns_identity(path: str) -> tuple[int, int] | None:
-    """(st_dev, st_ino) of the network namespace at `path`, else None."""
+def netns_identity(path: str) -> NetnsId | None:
+    """The identity of the network namespace at `path`, else None."""
     try:
         fd = _open_netns(path)
     except NetnsError:
         return None
     try:
-        st = os.fstat(fd)
-        return (st.st_dev, st.st_ino)
+        return fd_identity(fd)
     finally:
         os.close(fd)
 
@@ -159,20 +224,19 @@ def is_netns(path: str) -> bool:
     return netns_identity(path) is not None
 
 
-def check_netns(path: str, field: str = "netns") -> tuple[int, int]:
+def check_netns(path: str, field: str = "netns") -> NetnsId:
     """Identity of the netns at `path`, or InvalidArgument(field, reason)."""
     try:
         fd = _open_netns(path)
     except NetnsError as e:
         raise InvalidArgument(field, f"{_show(path)} {e.reason}") from None
     try:
-        st = os.fstat(fd)
+        ident = fd_identity(fd)
     finally:
         os.close(fd)
-    ident = (st.st_dev, st.st_ino)
     # /proc/self is the main thread, which never leaves the agent's namespace.
     own = os.stat("/proc/self/ns/net")
-    if ident == (own.st_dev, own.st_ino):
+    if (ident.dev, ident.ino) == (own.st_dev, own.st_ino):
         raise InvalidArgument(
             field, f"{_show(path)}: refusing to configure the agent's own network namespace"
         )

@@ -1,16 +1,16 @@
-"""Sandbox records: the write-ahead journal that makes a kill -9 harmless.
+"""Sandbox records: the on-disk write-ahead journal that makes a kill -9 harmless.
 
 libcni writes its cache only after a whole ADD chain succeeded. A runtime
 killed in between leaves an IP allocated that nothing remembers. So before the
-first plugin runs, the intent (every attachment with the exact config bytes,
-args and capabilities) is written durably here with phase "adding"; it becomes
-"ready" when all attachments are cached. Teardown marks "deleting" first. On
-start-up (and at every GC) a record not "ready" is rolled back or finished
-with DEL, so every sandbox ends up fully set up and cached, or fully gone.
+first plugin of an attachment runs, its intent (network, ifname, the exact
+config bytes, args and capabilities) is written durably here in phase
+"adding"; it becomes "ready" once cached, "deleting" before its DEL, and
+leaves the record when the DEL succeeded. `journal.Journal` drives those
+transitions; this module is only the format and the files.
 
 One JSON file per sandbox under `<state_dir>/sandboxes/`, written atomically.
-The netns identity (device, inode) recorded at ADD lets GC tell a deleted
-namespace, or a path reused by another namespace, from a live one.
+The netns identity recorded at ADD lets GC tell a deleted namespace, or a path
+reused by another namespace, from a live one.
 """
 
 from __future__ import annotations
@@ -19,13 +19,14 @@ import base64
 import json
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
 from cni_agent.cni.cache import atomic_write
 from cni_agent.cni.errors import CacheError
+from cni_agent.netns import NetnsId
 
 
 class Phase(StrEnum):
@@ -35,30 +36,42 @@ class Phase(StrEnum):
 
 
 @dataclass(frozen=True)
-class AttachmentIntent:
+class Attachment:
+    """One interface of a sandbox on one network; unique by ifname within it."""
+
     network: str
     ifname: str
     config: bytes = field(repr=False)
     args: tuple[tuple[str, str], ...] = ()
     capabilities: Mapping[str, Any] = field(default_factory=dict)
+    phase: Phase = Phase.ADDING
+    # Who made it: "" for Setup, else the runtime network of a shim call (its GC scope).
+    origin: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        doc = {
             "network": self.network,
             "ifname": self.ifname,
             "config": base64.b64encode(self.config).decode(),
             "args": [list(kv) for kv in self.args],
             "capabilities": dict(self.capabilities),
+            "phase": str(self.phase),
         }
+        if self.origin:
+            doc["origin"] = self.origin
+        return doc
 
     @classmethod
-    def from_json(cls, doc: Mapping[str, Any]) -> AttachmentIntent:
+    def from_json(cls, doc: Mapping[str, Any], phase: Phase) -> Attachment:
         return cls(
             network=str(doc["network"]),
             ifname=str(doc["ifname"]),
             config=base64.b64decode(doc["config"], validate=True),
             args=tuple((str(k), str(v)) for k, v in doc.get("args", [])),
             capabilities=dict(doc.get("capabilities") or {}),
+            # Records of 0.1.0 had one phase for the whole sandbox.
+            phase=Phase(doc.get("phase", phase)),
+            origin=str(doc.get("origin", "")),
         )
 
 
@@ -66,21 +79,40 @@ class AttachmentIntent:
 class SandboxRecord:
     sandbox_id: str
     netns: str
-    netns_id: tuple[int, int] | None
-    phase: Phase
-    attachments: tuple[AttachmentIntent, ...]
-    # Identifies the request, so an identical repeat is recognised.
+    netns_id: NetnsId | None
+    attachments: tuple[Attachment, ...]
+    # Identifies the Setup request, so an identical repeat is recognised.
     request: str = ""
     updated: float = field(default_factory=time.time)
 
-    def with_phase(self, phase: Phase) -> SandboxRecord:
-        return replace(self, phase=phase, updated=time.time())
+    @property
+    def phase(self) -> Phase:
+        """The sandbox's phase: any unfinished attachment makes it unfinished."""
+        phases = {a.phase for a in self.attachments}
+        if Phase.DELETING in phases:
+            return Phase.DELETING
+        if Phase.ADDING in phases:
+            return Phase.ADDING
+        return Phase.READY
+
+    def attachment(self, ifname: str) -> Attachment | None:
+        return next((a for a in self.attachments if a.ifname == ifname), None)
+
+    def with_attachments(self, attachments: Iterable[Attachment], **changes: Any) -> SandboxRecord:
+        return replace(self, attachments=tuple(attachments), updated=time.time(), **changes)
+
+    def with_phase(self, phase: Phase, ifnames: Iterable[str] | None = None) -> SandboxRecord:
+        """The record with `ifnames` (all when None) moved to `phase`."""
+        chosen = None if ifnames is None else set(ifnames)
+        return self.with_attachments(
+            replace(a, phase=phase) if chosen is None or a.ifname in chosen else a
+            for a in self.attachments)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "sandbox": self.sandbox_id,
             "netns": self.netns,
-            "netnsId": list(self.netns_id) if self.netns_id else None,
+            "netnsId": self.netns_id.to_json() if self.netns_id else None,
             "phase": str(self.phase),
             "attachments": [a.to_json() for a in self.attachments],
             "request": self.request,
@@ -89,13 +121,12 @@ class SandboxRecord:
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> SandboxRecord:
-        nid = doc.get("netnsId")
+        phase = Phase(doc["phase"])
         return cls(
             sandbox_id=str(doc["sandbox"]),
             netns=str(doc.get("netns", "")),
-            netns_id=(int(nid[0]), int(nid[1])) if nid else None,
-            phase=Phase(doc["phase"]),
-            attachments=tuple(AttachmentIntent.from_json(a) for a in doc["attachments"]),
+            netns_id=NetnsId.from_json(doc.get("netnsId")),
+            attachments=tuple(Attachment.from_json(a, phase) for a in doc["attachments"]),
             request=str(doc.get("request", "")),
             updated=float(doc.get("updated", 0)),
         )
@@ -110,14 +141,14 @@ class SandboxStore:
     def path(self, sandbox_id: str) -> str:
         return os.path.join(self.dir, f"{sandbox_id}.json")
 
-    def write(self, record: SandboxRecord) -> None:
-        """Only the intent before the first ADD must survive a power loss: after
-        one, every namespace is gone and any other record state is reaped or
-        rolled back alike. A killed process loses nothing either way."""
+    def write(self, record: SandboxRecord, durable: bool = False) -> None:
+        """Only an intent before its first ADD must survive a power loss (`durable`):
+        after one, every namespace is gone and any other record state is reaped
+        or rolled back alike. A killed process loses nothing either way."""
         try:
             os.makedirs(self.dir, mode=0o700, exist_ok=True)
             atomic_write(self.path(record.sandbox_id), json.dumps(record.to_json()).encode(),
-                         durable=record.phase is Phase.ADDING)
+                         durable=durable)
         except OSError as e:
             raise CacheError(f"cannot write sandbox record: {e}") from e
 

@@ -1,9 +1,11 @@
-"""Setup, Teardown and Check of sandboxes: validate → wait ready → lock → runtime.
+"""Setup, Teardown and Check of sandboxes: validate → order → lock → journal.
 
-No D-Bus here. Every request is fully validated before anything changes; a
-failed Setup is rolled back (DEL of everything added, the failing one
-included) so no sandbox is ever left half set up; the write-ahead record
-(see `records`) covers a kill -9 at any instant.
+No D-Bus here. Every request is fully validated before anything changes and
+takes its place in the sandbox's order on arrival (`order`: a later Teardown
+wins over an earlier Setup that has not started). No operation runs before
+start-up recovery is over. A failed Setup is rolled back (DEL of everything
+added, the failing one included), so no sandbox is ever left half set up; the
+journal's write-ahead record covers a kill -9 at any instant.
 """
 
 from __future__ import annotations
@@ -12,10 +14,9 @@ import asyncio
 import hashlib
 import json
 import logging
-import os
-from collections.abc import Mapping, Sequence
-from contextlib import AsyncExitStack
-from dataclasses import dataclass, field, replace
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 from cni_agent.cni.args import (
@@ -26,16 +27,17 @@ from cni_agent.cni.args import (
     validate_network_name,
 )
 from cni_agent.cni.cache import CachedAttachment
-from cni_agent.cni.config import NetworkConfigList, parse_list_or_none
-from cni_agent.cni.errors import CNIError, ConfigError, InvalidArgument
-from cni_agent.cni.runtime import CNIRuntime, RuntimeConf, cached_config
+from cni_agent.cni.config import NetworkConfigList
+from cni_agent.cni.errors import CNIError, InvalidArgument, NoCachedResult
 from cni_agent.errors import AgentError, ErrorKind, classify
-from cni_agent.gc import Reaper, record_netns, rollback
-from cni_agent.locks import RWLock, SandboxLocks
+from cni_agent.gc import Reaper
+from cni_agent.journal import Journal
+from cni_agent.locks import SandboxLocks
 from cni_agent.monitor import Monitor
-from cni_agent.netns import NetnsError, bring_up_loopback, check_netns, netns_identity
+from cni_agent.netns import NetnsError, NetnsId, bring_up_loopback, check_netns
+from cni_agent.order import Kind, Sequencer, Ticket
 from cni_agent.podcidrs import PodCIDRs
-from cni_agent.records import AttachmentIntent, Phase, SandboxRecord, SandboxStore
+from cni_agent.records import Attachment, Phase, SandboxRecord
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +88,7 @@ def result_document(sandbox_id: str, entries: Sequence[CachedAttachment],
     }
 
 
-def _digest(attachments: Sequence[AttachmentIntent], capabilities: Mapping[str, Any]) -> str:
+def _digest(attachments: Sequence[Attachment], capabilities: Mapping[str, Any]) -> str:
     """Identifies a request (the caller's capabilities, not the pod CIDRs added to them)."""
     doc = [[a.network, a.ifname, [list(kv) for kv in a.args], dict(capabilities)]
            for a in attachments]
@@ -96,41 +98,63 @@ def _digest(attachments: Sequence[AttachmentIntent], capabilities: Mapping[str, 
 class SandboxManager:
     def __init__(
         self,
-        runtime: CNIRuntime,
+        journal: Journal,
         monitor: Monitor,
-        store: SandboxStore,
         locks: SandboxLocks,
-        gc_lock: RWLock,
         reaper: Reaper,
         pod_cidrs: PodCIDRs,
         timeouts: Timeouts | None = None,
     ) -> None:
-        self.runtime = runtime
+        self.journal = journal
         self.monitor = monitor
-        self.store = store
         self.locks = locks
-        self.gc_lock = gc_lock
         self.reaper = reaper
         self.pod_cidrs = pod_cidrs
         self.timeouts = timeouts or Timeouts()
+        self.order = Sequencer()
         # Set by the daemon's shutdown: False once the drain period is over.
         self.accepting = True
         self.draining = False
 
     # --- shared steps -----------------------------------------------------------
 
-    async def _locked(self, stack: AsyncExitStack, sandbox_id: str) -> None:
-        await stack.enter_async_context(self.gc_lock.read(self.timeouts.lock))
-        await stack.enter_async_context(self.locks.hold(sandbox_id, self.timeouts.lock))
+    @asynccontextmanager
+    async def _locked(self, ticket: Ticket) -> AsyncIterator[None]:
+        """Recovery over, then the sandbox's lock, within one `timeouts.lock` budget."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeouts.lock
+        if not self.reaper.recovered.is_set():
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await self.reaper.recovered.wait()
+            except TimeoutError:
+                raise AgentError(ErrorKind.BUSY, "start-up recovery is still running after "
+                                                 f"{self.timeouts.lock:g}s") from None
+        async with self.locks.hold(ticket.sandbox_id, self.timeouts.lock, deadline):
+            ticket.start()
+            yield
 
     def _gate(self) -> None:
         if not self.accepting:
             raise AgentError(ErrorKind.SHUTTING_DOWN,
                              "cni-agent is shutting down and no longer accepts new requests")
 
-    async def _wait_ready(self) -> None:
-        if not self.draining and await self.monitor.wait_ready(self.timeouts.ready):
+    async def _wait_ready(self, ticket: Ticket) -> None:
+        """Wait for readiness, unless a later Teardown makes this request moot."""
+        if not self.draining and self.monitor.ready:
             return
+        if not self.draining:
+            ready = asyncio.ensure_future(self.monitor.wait_ready(self.timeouts.ready))
+            moot = asyncio.ensure_future(ticket.superseded.wait())
+            try:
+                await asyncio.wait((ready, moot), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for t in (ready, moot):
+                    t.cancel()
+            if moot.done() and not moot.cancelled():
+                ticket.start()  # raises Cancelled
+            if ready.done() and not ready.cancelled() and ready.result():
+                return
         if self.draining:
             # Readiness is already reported false; the network itself may still work.
             if self.monitor.healthy:
@@ -155,7 +179,7 @@ class SandboxManager:
 
     # --- Setup --------------------------------------------------------------------
 
-    def validate(self, req: SetupRequest) -> tuple[int, int]:
+    def validate(self, req: SetupRequest) -> NetnsId:
         """Everything that can be checked before waiting or locking."""
         validate_container_id(req.sandbox_id)
         identity = check_netns(req.netns)
@@ -178,84 +202,103 @@ class SandboxManager:
         try:
             return await self._setup(req)
         except Exception as e:
-            raise classify(e) from e
+            err = classify(e)
+            if err.kind is ErrorKind.CANCELLED:
+                log.info("%s", err.message, extra={"SANDBOX_ID": req.sandbox_id})
+            raise err from e
 
     async def _setup(self, req: SetupRequest) -> dict[str, Any]:
         self._gate()
         identity = self.validate(req)
-        await self._wait_ready()
-        requests = req.networks or (NetworkRequest(),)
-        nets = [self._resolve(r) for r in requests]
-        args = tuple(build_cni_args(req.args, req.pod, req.sandbox_id))
-        caps = dict(req.capabilities)
-        if "ipRanges" not in caps and self.pod_cidrs.ranges():
-            caps["ipRanges"] = self.pod_cidrs.ranges()
-        intents = tuple(
-            AttachmentIntent(net.name, r.ifname, net.bytes, args, caps)
-            for net, r in zip(nets, requests, strict=True)
-        )
-        digest = _digest(intents, req.capabilities)
-        async with AsyncExitStack() as stack:
-            await self._locked(stack, req.sandbox_id)
-            existing, foreign = await asyncio.to_thread(self._lookup, req.sandbox_id, intents)
-            if existing is not None:
-                if existing.phase is Phase.READY:
-                    return await self._repeat(existing, req.netns, identity, digest)
-                # Left half-done by a crash or a failed rollback: finish undoing it first.
-                errors = await rollback(self.runtime, self.store, existing)
-                if errors:
-                    raise AgentError(ErrorKind.PLUGIN_FAILED,
-                                     f"sandbox {req.sandbox_id} has an unfinished earlier "
-                                     f"operation that cannot be undone: {errors[0]}")
-            elif foreign:
-                raise AgentError(ErrorKind.INVALID_ARGUMENT,
-                                 f"sandbox {req.sandbox_id} has cached attachments from another "
-                                 "tool or an older run; tear it down first")
-            record = SandboxRecord(req.sandbox_id, req.netns, identity, Phase.ADDING, intents, digest)
-            await asyncio.to_thread(self.store.write, record)  # the write-ahead intent
-            return await self._add_all(record, nets)
+        with self.order.arrive(req.sandbox_id, Kind.ADD) as ticket:
+            await self._wait_ready(ticket)
+            requests = req.networks or (NetworkRequest(),)
+            nets = [self._resolve(r) for r in requests]
+            args = tuple(build_cni_args(req.args, req.pod, req.sandbox_id))
+            caps = dict(req.capabilities)
+            if "ipRanges" not in caps and self.pod_cidrs.ranges():
+                caps["ipRanges"] = self.pod_cidrs.ranges()
+            new = tuple(Attachment(net.name, r.ifname, net.bytes, args, caps)
+                        for net, r in zip(nets, requests, strict=True))
+            digest = _digest(new, req.capabilities)
+            async with self._locked(ticket):
+                rec, entries = await self.journal.view(req.sandbox_id)
+                if rec is not None:
+                    settled = await self._settle(rec, req.netns, identity)
+                    if settled is not rec:
+                        rec, entries = await self.journal.view(req.sandbox_id)
+                if rec is not None:
+                    return await self._repeat(rec, digest, entries)
+                if any((a.network, a.ifname) in entries for a in new):
+                    raise AgentError(ErrorKind.INVALID_ARGUMENT,
+                                     f"sandbox {req.sandbox_id} has cached attachments from another "
+                                     "tool or an older run; tear it down first")
+                return await self._add_all(SandboxRecord(req.sandbox_id, req.netns, identity, (),
+                                                         digest), new, nets)
 
-    async def _repeat(self, rec: SandboxRecord, netns: str, identity: tuple[int, int],
-                      digest: str) -> dict[str, Any]:
-        if rec.netns != netns or rec.netns_id != identity:
+    async def _settle(self, rec: SandboxRecord, netns: str, identity: NetnsId) -> SandboxRecord | None:
+        """Before a Setup: undo what an earlier run left unfinished, and reap the
+        sandbox if its namespace died (the id is being reused). What is left is live."""
+        live = await self.journal.live_netns(rec)
+        unfinished = [a.ifname for a in rec.attachments if a.phase is not Phase.READY]
+        if not live:
+            unfinished = [a.ifname for a in rec.attachments]
+            log.info("sandbox %s: its netns %s is gone; removing its attachments before the new "
+                     "Setup", rec.sandbox_id, rec.netns, extra={"SANDBOX_ID": rec.sandbox_id})
+        if unfinished:
+            left, errors = await self.journal.remove(rec, unfinished, live)
+            if errors:
+                raise AgentError(ErrorKind.PLUGIN_FAILED,
+                                 f"sandbox {rec.sandbox_id} has attachments left by an earlier "
+                                 f"operation that cannot be removed: {errors[0]}")
+            if left is None:
+                return None
+            rec = left
+        if rec.netns != netns or not rec.netns_id or not rec.netns_id.same(identity):
             raise AgentError(ErrorKind.INVALID_ARGUMENT,
                              f"sandbox {rec.sandbox_id} is already set up in netns {rec.netns}")
+        return rec
+
+    async def _repeat(self, rec: SandboxRecord, digest: str,
+                      entries: Mapping[tuple[str, str], CachedAttachment]) -> dict[str, Any]:
         if rec.request != digest:
             raise AgentError(ErrorKind.INVALID_ARGUMENT,
                              f"sandbox {rec.sandbox_id} is already set up with different "
                              "networks or options; tear it down first")
-        return await self.show(rec.sandbox_id)
+        return self._document(rec, entries)
 
-    async def _add_all(self, rec: SandboxRecord, nets: list[NetworkConfigList]) -> dict[str, Any]:
+    async def _add_all(self, rec: SandboxRecord, new: Sequence[Attachment],
+                       nets: Sequence[NetworkConfigList]) -> dict[str, Any]:
+        # Before the intent is written: nothing to undo if this fails.
         try:
             await bring_up_loopback(rec.netns)
         except NetnsError as e:
-            await asyncio.to_thread(self.store.delete, rec.sandbox_id)
             raise AgentError(ErrorKind.PLUGIN_FAILED, f"cannot bring up lo: {e}") from e
+        rec = await self.journal.begin_add(rec, new)
         done: list[CachedAttachment] = []
-        for i, (net, intent) in enumerate(zip(nets, rec.attachments, strict=True)):
-            rt = RuntimeConf(rec.sandbox_id, rec.netns, intent.ifname, intent.args,
-                             dict(intent.capabilities))
+        for i, (net, att) in enumerate(zip(nets, new, strict=True)):
             try:
-                result = await self.runtime.add(net, rt)
+                result = await self.journal.add(rec, att, net, rec.netns)
             except CNIError as e:
                 log.warning("setup of %s failed on %s/%s, rolling back: %s",
-                            rec.sandbox_id, net.name, intent.ifname, e,
-                            extra={"SANDBOX_ID": rec.sandbox_id, "NETWORK": net.name})
+                            rec.sandbox_id, net.name, att.ifname, e,
+                            extra={"SANDBOX_ID": rec.sandbox_id, "NETWORK": net.name,
+                                   "IFNAME": att.ifname})
                 # DEL what was attempted, the failing one included (the spec requires it).
-                attempted = replace(rec, attachments=rec.attachments[: i + 1])
-                undo = await rollback(self.runtime, self.store, attempted)
+                _, undo = await self.journal.remove(
+                    rec, [a.ifname for a in new[: i + 1]], rec.netns,
+                    unstarted=[a.ifname for a in new[i + 1:]])
                 err = classify(e)
                 if undo:
                     err = AgentError(err.kind, f"{err.message} (cleanup failed, retried at the next "
                                                f"GC: {undo[0]})")
                 raise err from e
-            done.append(CachedAttachment(rec.sandbox_id, net.name, intent.ifname, rec.netns,
+            done.append(CachedAttachment(rec.sandbox_id, net.name, att.ifname, rec.netns,
                                          net.bytes, result=result))
-        await asyncio.to_thread(self.store.write, rec.with_phase(Phase.READY))
+        await self.journal.commit(rec, [a.ifname for a in new])
         log.info("sandbox %s set up (%d attachment(s))", rec.sandbox_id, len(done),
                  extra={"SANDBOX_ID": rec.sandbox_id})
-        return result_document(rec.sandbox_id, done, [(a.network, a.ifname) for a in rec.attachments])
+        return result_document(rec.sandbox_id, done, [(a.network, a.ifname) for a in new])
 
     # --- Teardown -------------------------------------------------------------------
 
@@ -269,75 +312,22 @@ class SandboxManager:
         validate_container_id(sandbox_id)
         if netns and ("\x00" in netns or len(netns) > 4096 or not netns.startswith("/")):
             raise InvalidArgument("netns", "must be empty or an absolute path")
-        async with AsyncExitStack() as stack:
-            await self._locked(stack, sandbox_id)
-            rec, entries = await asyncio.to_thread(self._cached_of, sandbox_id)
-            if rec is None and not entries:
-                return  # nothing known: success, as DEL of nothing is
-            intents = self._teardown_plan(sandbox_id, rec, entries)
-            if rec is not None:
-                marked = SandboxRecord(rec.sandbox_id, rec.netns, rec.netns_id, Phase.DELETING,
-                                       intents, rec.request)
-            else:
-                marked = SandboxRecord(sandbox_id, netns, netns_identity(netns) if netns else None,
-                                       Phase.DELETING, intents)
-            await asyncio.to_thread(self.store.write, marked)
-            errors = await rollback(self.runtime, self.store, marked)
-            if errors:
-                raise AgentError(ErrorKind.PLUGIN_FAILED,
-                                 f"teardown of {sandbox_id} incomplete, its cache entries are kept: "
-                                 + "; ".join(errors))
-            log.info("sandbox %s torn down", sandbox_id, extra={"SANDBOX_ID": sandbox_id})
-
-    def _lookup(self, sandbox_id: str, intents: Sequence[AttachmentIntent]
-                ) -> tuple[SandboxRecord | None, bool]:
-        """The sandbox's record, and whether a requested attachment is cached without one
-        (direct lookups: no directory scan, which would grow with the node)."""
-        rec = self.store.read(sandbox_id)
-        foreign = rec is None and any(
-            os.path.exists(self.runtime.cache.path(a.network, sandbox_id, a.ifname))
-            for a in intents)
-        return rec, foreign
-
-    def _cached_of(self, sandbox_id: str) -> tuple[SandboxRecord | None, list[CachedAttachment]]:
-        """The record and cache entries of a sandbox: its record says where (no
-        directory scan, which grows with the node); without a record, scan like libcni."""
-        rec = self.store.read(sandbox_id)
-        if rec is None:
-            return None, self.runtime.cache.for_container(sandbox_id)
-        entries = []
-        for a in rec.attachments:
-            try:
-                entry = self.runtime.cache.read(a.network, sandbox_id, a.ifname)
-            except CNIError:
-                continue  # unreadable: the record's own config is used for its DEL
-            if entry is not None:
-                entries.append(entry)
-        return rec, entries
-
-    def _teardown_plan(self, sandbox_id: str, rec: SandboxRecord | None,
-                       entries: list[CachedAttachment]) -> tuple[AttachmentIntent, ...]:
-        """Every attachment to DEL, in Setup order: the record's, plus any cached only."""
-        plan = list(rec.attachments) if rec else []
-        known = {(a.network, a.ifname) for a in plan}
-        for e in entries:
-            if (e.network, e.ifname) not in known:
-                plan.append(AttachmentIntent(e.network, e.ifname, e.config, e.cni_args,
-                                             dict(e.capability_args)))
-        # Prefer the cached config and args (the ones the ADD really used).
-        by_key = {(e.network, e.ifname): e for e in entries}
-        out = []
-        for a in plan:
-            cached = by_key.get((a.network, a.ifname))
-            if cached is not None and cached_config(cached) is not None:
-                a = AttachmentIntent(a.network, a.ifname, cached.config, cached.cni_args,
-                                     dict(cached.capability_args))
-            elif parse_list_or_none(a.config) is None:
-                current = self.monitor.network(a.network)
-                if current is not None:
-                    a = AttachmentIntent(a.network, a.ifname, current.bytes, a.args, a.capabilities)
-            out.append(a)
-        return tuple(out)
+        with self.order.arrive(sandbox_id, Kind.REMOVE) as ticket:
+            async with self._locked(ticket):
+                rec, entries = await self.journal.view(sandbox_id)
+                if rec is None and not entries:
+                    return  # nothing known: success, as DEL of nothing is
+                identity = None
+                if rec is None and netns:
+                    identity = await asyncio.to_thread(_identity_or_none, netns)
+                claimed = await self.journal.claim(sandbox_id, rec, entries, netns, identity)
+                live = await self.journal.live_netns(claimed)
+                _, errors = await self.journal.remove(claimed, None, live, entries)
+                if errors:
+                    raise AgentError(ErrorKind.PLUGIN_FAILED,
+                                     f"teardown of {sandbox_id} incomplete, its cache entries are "
+                                     "kept: " + "; ".join(errors))
+                log.info("sandbox %s torn down", sandbox_id, extra={"SANDBOX_ID": sandbox_id})
 
     # --- Check, Show, List ------------------------------------------------------------
 
@@ -351,40 +341,42 @@ class SandboxManager:
         self._gate()
         validate_container_id(sandbox_id)
         check_netns(netns)
-        async with AsyncExitStack() as stack:
-            await self._locked(stack, sandbox_id)
-            rec, entries = await asyncio.to_thread(self._cached_of, sandbox_id)
-            if rec is None or rec.phase is not Phase.READY:
-                raise AgentError(ErrorKind.NOT_FOUND, f"sandbox {sandbox_id} is not set up")
-            if rec.netns != netns or record_netns(rec) != netns:
-                raise AgentError(ErrorKind.INVALID_ARGUMENT,
-                                 f"sandbox {sandbox_id} is set up in netns {rec.netns}, not {netns}")
-            by_key = {(e.network, e.ifname): e for e in entries}
-            for a in rec.attachments:
-                entry = by_key.get((a.network, a.ifname))
-                if entry is None:
-                    raise AgentError(ErrorKind.NOT_FOUND,
-                                     f"sandbox {sandbox_id}: no cached result for {a.network}/{a.ifname}")
-                net = cached_config(entry)
-                if net is None:
-                    raise ConfigError(entry.path, "cached config is unreadable")
-                await self.runtime.check(net, RuntimeConf.from_cache(entry, netns=netns))
+        with self.order.arrive(sandbox_id, Kind.OTHER) as ticket:
+            async with self._locked(ticket):
+                rec, entries = await self.journal.view(sandbox_id)
+                if rec is None or rec.phase is not Phase.READY:
+                    raise AgentError(ErrorKind.NOT_FOUND, f"sandbox {sandbox_id} is not set up")
+                if rec.netns != netns or await self.journal.live_netns(rec) != netns:
+                    raise AgentError(ErrorKind.INVALID_ARGUMENT,
+                                     f"sandbox {sandbox_id} is set up in netns {rec.netns}, not {netns}")
+                for a in rec.attachments:
+                    entry = entries.get((a.network, a.ifname))
+                    if entry is None:
+                        raise NoCachedResult(f"sandbox {sandbox_id}: no cached result for "
+                                             f"{a.network}/{a.ifname}")
+                    await self.journal.check(a, entry, netns)
+
+    def _document(self, rec: SandboxRecord | None,
+                  entries: Mapping[tuple[str, str], CachedAttachment]) -> dict[str, Any]:
+        order = [(a.network, a.ifname) for a in rec.attachments] if rec else []
+        sid = rec.sandbox_id if rec else next(iter(entries.values())).container_id
+        return result_document(sid, list(entries.values()), order,
+                               rec.phase if rec else Phase.READY)
 
     async def show(self, sandbox_id: str) -> dict[str, Any]:
         try:
             validate_container_id(sandbox_id)
-            rec, entries = await asyncio.to_thread(self._cached_of, sandbox_id)
+            rec, entries = await self.journal.view(sandbox_id)
         except Exception as e:
             raise classify(e) from e
         if not entries:
             raise AgentError(ErrorKind.NOT_FOUND, f"sandbox {sandbox_id} has no cached attachments")
-        order = [(a.network, a.ifname) for a in rec.attachments] if rec else []
-        return result_document(sandbox_id, entries, order, rec.phase if rec else Phase.READY)
+        return self._document(rec, entries)
 
     async def list(self) -> list[str]:
         def scan() -> list[str]:
-            ids = {r.sandbox_id for r in self.store.all()[0] if r.phase is Phase.READY}
-            ids.update(e.container_id for e in self.runtime.cache.all())
+            ids = {r.sandbox_id for r in self.journal.store.all()[0] if r.phase is Phase.READY}
+            ids.update(e.container_id for e in self.journal.runtime.cache.all())
             return sorted(ids)
 
         return await asyncio.to_thread(scan)
@@ -404,3 +396,9 @@ class SandboxManager:
                              f"garbage collection finished with {len(report.errors)} error(s): "
                              + report.errors[0])
 
+
+def _identity_or_none(path: str) -> NetnsId | None:
+    try:
+        return check_netns(path)
+    except InvalidArgument:
+        return None

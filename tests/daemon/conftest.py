@@ -8,7 +8,9 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import unique_name
 from tests.support.agent import Agent, Bus
+from tests.support.net import delete_link
 from tests.support.plugins import Control, conflist, install_plugin, write_conf
 
 pytestmark = pytest.mark.root
@@ -62,3 +64,27 @@ def testnet(tmp_path: Path, control: Control) -> Callable[..., Path]:
         return write_conf(tmp_path / "net.d", filename or f"50-{name}.conflist", data)
 
     return write
+
+
+def bridge_plugins(tmp_path: Path, control: Control, bridge: str) -> list[dict[str, Any]]:
+    """bridge + host-local, then our recording plugin (which passes prevResult on)."""
+    return [
+        {"type": "bridge", "bridge": bridge, "isGateway": True, "ipMasq": False,
+         "ipam": {"type": "host-local", "subnet": "10.215.0.0/24", "dataDir": str(tmp_path / "ipam")}},
+        plug(control),
+    ]
+
+
+@pytest.fixture
+def bridge_name() -> Iterator[str]:
+    br = unique_name("cab")
+    yield br
+    delete_link(br)
+
+
+@pytest.fixture
+def bridge_chain(tmp_path: Path, control: Control, bridge_name: str) -> str:
+    """The network "pods": real bridge + host-local (1.0.0), then the test plugin."""
+    write_conf(tmp_path / "net.d", "10-pods.conflist",
+               conflist("pods", bridge_plugins(tmp_path, control, bridge_name), "1.0.0"))
+    return "pods"

@@ -24,7 +24,7 @@ from cni_agent.cli import main
 from cni_agent.cli_output import colour_enabled, format_attachments, format_change, format_status
 from cni_agent.client import AgentClient, AgentStatus, ClientError, SandboxResult, error_from_reply
 from tests.daemon.conftest import plug
-from tests.support.agent import Agent, Bus, as_user
+from tests.support.agent import Agent, Bus, as_user_python
 from tests.support.plugins import Control
 
 pytestmark = pytest.mark.root
@@ -40,9 +40,9 @@ def cli(bus: Agent | Bus | str, *args: str, user: str | None = None,
         env: dict[str, str] | None = None, timeout: float = 30) -> subprocess.CompletedProcess[str]:
     """`cni-agent ARGS --bus ADDRESS` (bus=None-ish "" leaves --bus out)."""
     address = bus.bus.address if isinstance(bus, Agent) else bus.address if isinstance(bus, Bus) else bus
-    cmd = [sys.executable, "-m", "cni_agent", *args, *(["--bus", address] if address else [])]
-    if user:
-        cmd = [*as_user(user), *cmd]
+    tail = [*args, *(["--bus", address] if address else [])]
+    # Another user may not reach this checkout's .venv: it runs a readable copy.
+    cmd = [*as_user_python(user), *tail] if user else [sys.executable, "-m", "cni_agent", *tail]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or _env())
     assert "Traceback" not in out.stderr, out.stderr
     return out

@@ -69,3 +69,32 @@ def test_make_run_shows_it_working_and_cleans_up_on_ctrl_c() -> None:
     assert not _processes(r"cni-agent-dev-.*agent\.yaml")
     assert not _processes(r"dbus-daemon --config-file=/tmp/cni-agent-dev-")
     assert not Path(workdir.group(1)).exists()
+
+
+def test_make_run_cleans_up_when_its_output_pipe_is_gone() -> None:
+    """`make run | tee run.log`, then Ctrl-C: tee dies first, the cleanup must not."""
+    proc = subprocess.Popen(["make", "--no-print-directory", "run"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    assert proc.stdout is not None
+    text = ""
+    try:
+        for line in proc.stdout:
+            text += line
+            if "ready — the agent's log follows" in line:
+                break
+        netns = re.search(r"in netns (cni-agent-demo-\d+)", text)
+        workdir = re.search(r"unix:path=(/tmp/cni-agent-dev-[^/]+)/bus\.sock", text)
+        assert netns is not None and workdir is not None, text
+        proc.stdout.close()  # the reader (tee) is gone: every later write gets EPIPE
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    after = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert netns.group(1) not in after
+    assert subprocess.run(["ip", "link", "show", "cniagent0"], capture_output=True).returncode != 0
+    assert not _processes(r"cni-agent-dev-.*agent\.yaml")
+    assert not _processes(r"dbus-daemon --config-file=/tmp/cni-agent-dev-")
+    assert not Path(workdir.group(1)).exists()

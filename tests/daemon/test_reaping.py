@@ -4,33 +4,16 @@ from __future__ import annotations
 
 import signal
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.conftest import unique_name
-from tests.daemon.conftest import plug
 from tests.support.agent import Agent
 from tests.support.net import addresses, allocations, delete_link
 from tests.support.plugins import Control, conflist, wait_for, write_conf
 
 pytestmark = pytest.mark.root
-
-
-@pytest.fixture
-def bridge_chain(tmp_path: Path, control: Control) -> Iterator[str]:
-    """bridge + host-local, then our recording plugin (which passes prevResult on)."""
-    br = unique_name("cab")
-    plugins: list[dict[str, Any]] = [
-        {"type": "bridge", "bridge": br, "isGateway": True, "ipMasq": False,
-         "ipam": {"type": "host-local", "subnet": "10.215.0.0/24", "dataDir": str(tmp_path / "ipam")}},
-        plug(control),
-    ]
-    write_conf(tmp_path / "net.d", "10-pods.conflist", conflist("pods", plugins, "1.0.0"))
-    yield "pods"
-    delete_link(br)
 
 
 def _netns_name(path: str) -> str:

@@ -194,7 +194,8 @@ def test_garbage_collect_dels_everything_not_listed(
     netns_factory: Callable[[], str],
 ) -> None:
     testnet()
-    agent = make_agent()
+    testnet("shared", "60-shared.conflist")  # a network the agent was not given for GC
+    agent = make_agent(gc={"networks": ["testnet"]})
     for sid in ("keep1", "drop1", "drop2"):
         agent.setup(sid, netns_factory())
     control.reset_records()
@@ -202,8 +203,27 @@ def test_garbage_collect_dels_everything_not_listed(
     assert agent.call("ListSandboxes")[0] == ["keep1"]
     dels = sorted(r["env"]["CNI_CONTAINERID"] for r in control.records() if r["command"] == "DEL")
     assert dels == ["drop1", "drop2"]
-    gc = next(r for r in control.records() if r["command"] == "GC")
+    # The GC verb only goes to the network declared the agent's own.
+    [gc] = [r for r in control.records() if r["command"] == "GC"]
+    assert gc["stdin"]["name"] == "testnet"
     assert gc["stdin"]["cni.dev/valid-attachments"] == [{"containerID": "keep1", "ifname": "eth0"}]
+
+
+def test_gc_verb_is_sent_to_no_network_by_default(
+    make_agent: Callable[..., Agent], testnet: Callable[..., Path], control: Control,
+    netns_factory: Callable[[], str],
+) -> None:
+    testnet()
+    agent = make_agent()
+    agent.setup("live", netns_factory())
+    agent.setup("gone", netns_factory())
+    control.reset_records()
+    agent.call("GarbageCollect", "as", "1", "live")
+    # Reaping its own stale attachment by DEL stays on; the verb is not sent.
+    # (the STATUS poll may run meanwhile; it is not what this test is about)
+    sent = [(r["command"], r["env"]["CNI_CONTAINERID"]) for r in control.records()
+            if r["command"] in ("DEL", "GC")]
+    assert sent == [("DEL", "gone")]
 
 
 def test_unknown_option_and_wrong_option_type_name_the_field(

@@ -80,7 +80,7 @@ def _reason(path: str) -> str:
 def test_identity_matches_proc_of_process_inside(ns: str) -> None:
     ident = netns.netns_identity(_path(ns))
     assert ident is not None
-    assert ident != _host_identity()
+    assert (ident.dev, ident.ino) != _host_identity()
     proc = subprocess.Popen(["ip", "netns", "exec", ns, "sleep", "60"])
     try:
         # `ip netns exec` setns()es, then execs sleep under the same pid.
@@ -112,7 +112,8 @@ def test_identity_of_non_namespaces(tmp_path: Path) -> None:
     ]:
         assert netns.netns_identity(path) is None, path
         assert not netns.is_netns(path), path
-    assert netns.netns_identity("/proc/self/ns/net") == _host_identity()
+    host = netns.netns_identity("/proc/self/ns/net")
+    assert host is not None and (host.dev, host.ino) == _host_identity()
 
 
 def test_missing_path_creates_nothing(tmp_path: Path) -> None:
@@ -277,7 +278,8 @@ async def test_thread_restored_when_socket_creation_fails(
         with pytest.raises(netns.NetnsError, match="cannot open netlink socket"):
             await netns.interfaces(_path(ns))
     # IPRoute() really was called inside the target, and every thread came back.
-    assert seen == [netns.check_netns(_path(ns))] * 4
+    ident = netns.check_netns(_path(ns))
+    assert seen == [(ident.dev, ident.ino)] * 4
     assert _all_threads_home()
 
 

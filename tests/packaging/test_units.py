@@ -35,7 +35,7 @@ DEBIAN = ROOT / "packaging" / "debian"
 NAME = "org.cniagent.Agent1"
 PATH = "/org/cniagent/Agent1"
 
-# The configuration file section of CONTRACT.md, literally.
+# The configuration file section of CONTRACT.md, plus the keys the project added.
 CONTRACT_DEFAULTS = {
     "conf_dir": "/etc/cni/net.d",
     "plugin_dirs": ["/opt/cni/bin", "/usr/libexec/cni", "/usr/lib/cni"],
@@ -49,6 +49,7 @@ CONTRACT_DEFAULTS = {
                  "version": 10, "lock": 60, "ready": 30},
     "shutdown_drain": 10,
     "access": {"groups": ["cni-agent"]},
+    "gc": {"networks": []},  # added by this project: the GC verb only where declared
     "bus": "system",
     "log_level": "info",
 }

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tests.soak.harness import crashes, reboot, soak, table
+from tests.soak.harness import crashes, gc_and_waiting, reboot, soak, table
 
 
 def main() -> int:
@@ -15,7 +15,9 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=16)
     p.add_argument("--kills", type=int, default=100)
     args = p.parse_args()
-    reports = [soak(args.ops, args.sandboxes, args.workers), crashes(args.kills), reboot(20)]
+    reports = [soak(args.ops, args.sandboxes, args.workers),
+               gc_and_waiting(args.ops // 5, workers=args.workers // 2),
+               crashes(args.kills), reboot(20)]
     print(table(reports))
     bad = any(r.failures or r.leaks for r in reports)
     print("soak: FAILED" if bad else "soak: no failures, no leaks")

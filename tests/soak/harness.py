@@ -9,6 +9,7 @@ allocated) or fully gone — nothing leaked, nothing lost.
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import signal
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tests.support.agent import Agent, Bus
-from tests.support.dbusclient import SyncClient
+from tests.support.dbusclient import CLIENT_TIMEOUT, SyncClient
 from tests.support.net import addresses
 
 NETWORK = "soak"
@@ -33,6 +34,7 @@ class Report:
     name: str
     operations: int = 0
     failures: Counter[str] = field(default_factory=Counter)
+    outcomes: Counter[str] = field(default_factory=Counter)  # what is not a failure, by name
     leaks: list[str] = field(default_factory=list)
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
@@ -91,7 +93,19 @@ class Node:
         d = self.tmp / "ipam" / NETWORK
         if not d.exists():
             return {}
-        return {p.name: p.read_text().split()[0] for p in d.iterdir() if p.name[0].isdigit()}
+        found = {}
+        for p in d.iterdir():
+            if p.name[0].isdigit():
+                try:
+                    found[p.name] = p.read_text().split()[0]
+                except FileNotFoundError:  # released while we looked
+                    continue
+        return found
+
+    def unfinished(self) -> list[str]:
+        """Sandboxes whose record says an operation is under way."""
+        return [p.stem for p in (self.tmp / "state" / "sandboxes").glob("*.json")
+                if json.loads(p.read_text())["phase"] != "ready"]
 
     def veths(self) -> int:
         out = subprocess.run(["ip", "-j", "link", "show", "master", self.bridge],
@@ -134,6 +148,11 @@ def _setup(client: SyncClient, node: Node, sid: str, report: Report, lock: threa
     err, body = client.call("Setup", "ssa{sv}", [sid, node.path(sid), {}])
     with lock:
         report.operations += 1
+        if err is not None and err.endswith(".Cancelled"):
+            # A Teardown of the same sandbox arrived while this Setup queued: by
+            # design it wins, and nothing was set up.
+            report.outcomes["Cancelled"] += 1
+            return
         if err is not None:
             report.failures[err.rsplit(".", 1)[-1]] += 1
             return
@@ -153,6 +172,17 @@ def _teardown(client: SyncClient, node: Node, sid: str, report: Report, lock: th
         report.operations += 1
         if err is not None:
             report.failures[err.rsplit(".", 1)[-1]] += 1
+
+
+def _finish(node: Node, report: Report, lock: threading.Lock) -> None:
+    """Check the node, tear every sandbox down, and check that nothing is left."""
+    report.leaks += node.check()
+    client = SyncClient(node.bus.address)
+    for sid in node.ids:
+        _teardown(client, node, sid, report, lock)
+    client.close()
+    report.leaks += node.check()
+    report.leaks += [f"{ip} still allocated" for ip in node.allocations()]
 
 
 def soak(ops: int, sandboxes: int = 50, workers: int = 16, seed: int = 1) -> Report:
@@ -186,13 +216,87 @@ def soak(ops: int, sandboxes: int = 50, workers: int = 16, seed: int = 1) -> Rep
             t.start()
         for t in threads:
             t.join()
-        report.leaks += node.check()
+        _finish(node, report, lock)
+    finally:
+        report.seconds = time.monotonic() - start
+        node.close()
+    return report
+
+
+def gc_and_waiting(ops: int, sandboxes: int = 20, workers: int = 8, seed: int = 3) -> Report:
+    """The network flaps; impatient Setups wait for it, their callers give up and
+    Teardown; GarbageCollect calls with random valid lists run through it all."""
+    report = Report("gc+wait")
+    node = Node(sandboxes, tag="gcw")
+    conf = node.tmp / "net.d" / "10-soak.conflist"
+    aside = node.tmp / "soak.conflist.off"
+    rng = random.Random(seed)
+    plan = [(rng.choice(node.ids), rng.random()) for _ in range(ops)]
+    lock = threading.Lock()
+    done = threading.Event()
+    start = time.monotonic()
+
+    def flap() -> None:
+        frng = random.Random(seed + 1)
+        while not done.wait(frng.uniform(0.2, 0.6)):
+            os.replace(conf, aside)  # the provider goes away: NetworkReady false
+            time.sleep(frng.uniform(0.1, 0.4))
+            os.replace(aside, conf)
+
+    def worker(n: int) -> None:
         client = SyncClient(node.bus.address)
-        for sid in node.ids:
-            _teardown(client, node, sid, report, lock)
+        wrng = random.Random(seed * 1000 + n)
+        try:
+            while True:
+                with lock:
+                    if not plan:
+                        return
+                    sid, r = plan.pop()
+                if r < 0.5:  # a caller with a short D-Bus timeout, which then cleans up
+                    err, _ = client.call("Setup", "ssa{sv}", [sid, node.path(sid), {}],
+                                         timeout=wrng.uniform(0.05, 0.5))
+                    outcome = err.rsplit(".", 1)[-1] if err else "ok"
+                    if err == CLIENT_TIMEOUT:
+                        err, _ = client.call("Teardown", "ssa{sv}", [sid, node.path(sid), {}])
+                        outcome = "gave-up-and-tore-down"
+                elif r < 0.8:
+                    err, _ = client.call("Teardown", "ssa{sv}", [sid, node.path(sid), {}])
+                    outcome = "ok"
+                else:
+                    valid = wrng.sample(node.ids, k=len(node.ids) // 2)
+                    err, _ = client.call("GarbageCollect", "as", [valid])
+                    outcome = "ok"
+                with lock:
+                    report.operations += 1
+                    name = err.rsplit(".", 1)[-1] if err else None
+                    if name in (None, "NotReady", "Cancelled", "Timeout") or outcome != "ok":
+                        report.outcomes[outcome] += 1
+                    else:
+                        report.failures[name] += 1
+        finally:
+            client.close()
+
+    try:
+        node.start()
+        flapper = threading.Thread(target=flap)
+        flapper.start()
+        threads = [threading.Thread(target=worker, args=(n,)) for n in range(workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        done.set()
+        flapper.join()
+        if aside.exists():
+            os.replace(aside, conf)
+        client = SyncClient(node.bus.address)
+        assert client.call("WaitReady", "d", [20.0]) == (None, [True])
+        # Callers that gave up left no Setup behind: nothing is still in flight.
+        deadline = time.monotonic() + 30
+        while node.unfinished() and time.monotonic() < deadline:
+            time.sleep(0.1)
         client.close()
-        report.leaks += node.check()
-        report.leaks += [f"{ip} still allocated" for ip in node.allocations()]
+        _finish(node, report, lock)
     finally:
         report.seconds = time.monotonic() - start
         node.close()
@@ -291,4 +395,8 @@ def table(reports: list[Report]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
     for r in reports:
         lines += [f"  {r.name}: {leak}" for leak in r.leaks[:20]]
+        lines += [f"  {r.name}: {note}" for note in r.notes]
+        if r.outcomes:
+            lines.append(f"  {r.name}: expected outcomes: "
+                         + ", ".join(f"{k}={v}" for k, v in sorted(r.outcomes.items())))
     return "\n".join(lines)

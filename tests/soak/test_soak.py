@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.soak.harness import crashes, reboot, soak
+from tests.soak.harness import crashes, gc_and_waiting, reboot, soak
 
 pytestmark = pytest.mark.root
 
@@ -12,6 +12,12 @@ pytestmark = pytest.mark.root
 def test_short_soak_leaves_nothing() -> None:
     report = soak(ops=300, sandboxes=10, workers=8)
     assert report.operations == 310
+    assert dict(report.failures) == {}
+    assert report.leaks == []
+
+
+def test_gc_and_teardowns_of_waiting_setups_leave_nothing() -> None:
+    report = gc_and_waiting(ops=200, sandboxes=8, workers=6)
     assert dict(report.failures) == {}
     assert report.leaks == []
 

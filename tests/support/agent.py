@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import shutil
 import signal
 import socket
 import subprocess
@@ -219,6 +220,35 @@ class Agent:
     def setup(self, sandbox: str, netns: str, **opts: Any) -> dict[str, Any]:
         reply = self.call("Setup", "ssa{sv}", sandbox, netns, *options(**opts))
         return json.loads(reply[0])  # type: ignore[no-any-return]
+
+
+_READABLE_SOURCE: list[Path] = []
+
+
+def readable_source() -> Path:
+    """A copy of the agent's source that any user can read.
+
+    The checkout (and its .venv) may live where other users cannot reach it: a
+    clone under /root, or in a 0700 temp dir. A command run as another user
+    imports this copy with the system python3, whose distro packages provide
+    the dependencies (tools/setup-system installs them).
+    """
+    if not _READABLE_SOURCE:
+        top = Path(tempfile.mkdtemp(prefix="cni-agent-src-"))
+        os.chmod(top, 0o755)
+        shutil.copytree(REPO / "agent" / "cni_agent", top / "cni_agent",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        for path in top.rglob("*"):
+            os.chmod(path, 0o755 if path.is_dir() else 0o644)
+        _READABLE_SOURCE.append(top)
+    return _READABLE_SOURCE[0]
+
+
+def as_user_python(user: str) -> list[str]:
+    """The command prefix that runs the `cni-agent` CLI as `user`."""
+    return [*as_user(user), "/usr/bin/python3", "-I", "-c",
+            f"import sys; sys.path.insert(0, {str(readable_source())!r}); "
+            "from cni_agent.cli import main; sys.exit(main())"]
 
 
 def as_user(user: str) -> list[str]:

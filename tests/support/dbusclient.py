@@ -17,6 +17,7 @@ from dbus_fast.aio import MessageBus
 from tests.support.agent import IFACE, NAME, PATH
 
 T = TypeVar("T")
+CLIENT_TIMEOUT = "client.Timeout"  # what a caller's own D-Bus timeout looks like here
 
 
 class SyncClient:
@@ -34,11 +35,15 @@ class SyncClient:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def call(self, member: str, signature: str = "", body: list[Any] | None = None,
-             interface: str = IFACE) -> tuple[str | None, Any]:
-        """(None, body) on success, (error name, message) on failure."""
+             interface: str = IFACE, timeout: float | None = None) -> tuple[str | None, Any]:
+        """(None, body) on success, (error name, message) on failure; with `timeout`,
+        (CLIENT_TIMEOUT, "") when no reply came in time (the call goes on in the agent)."""
         msg = Message(destination=NAME, path=PATH, interface=interface, member=member,
                       signature=signature, body=body or [])
-        reply = self._run(self.bus.call(msg))
+        try:
+            reply = self._run(asyncio.wait_for(self.bus.call(msg), timeout))
+        except TimeoutError:
+            return CLIENT_TIMEOUT, ""
         assert reply is not None
         if reply.message_type is MessageType.ERROR:
             text = reply.body[0] if reply.body else ""

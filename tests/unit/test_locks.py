@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 import cni_agent.locks as locks_module
-from cni_agent.locks import LockTimeout, RWLock, SandboxLocks
+from cni_agent.locks import LockTimeout, NetworkLocks, SandboxLocks
 
 AGENT_DIR = str(Path(locks_module.__file__).resolve().parents[1])
 
@@ -539,148 +539,129 @@ async def test_the_lock_file_is_unlinked_while_still_held(
     assert at_unlink == ["held"]
     assert_clean(locks, lock_dir)
 
-# --- the GC readers-writer lock -------------------------------------------------------
+# --- per-network exclusion for the GC verb ------------------------------------------
 
 
-async def test_readers_share() -> None:
-    rw = RWLock()
+async def test_chains_of_one_network_share_it() -> None:
+    nl = NetworkLocks()
     both = asyncio.Barrier(2)
 
-    async def reader() -> None:
-        async with rw.read(1):
+    async def chain() -> None:
+        async with nl.use("pods", 1):
             await asyncio.wait_for(both.wait(), 1)  # both inside at once
 
-    await wait(asyncio.gather(reader(), reader()))
+    await wait(asyncio.gather(chain(), chain()))
+    assert not nl.busy("pods")
 
 
-async def test_writer_excludes_readers_and_writers() -> None:
-    rw = RWLock()
-    async with rw.write():
-        with pytest.raises(LockTimeout) as e:
-            async with rw.read(0.05):
-                pass
-        assert e.value.key == "gc"
-        assert str(e.value) == "gc is busy: lock not acquired within 0.05s"
-        with pytest.raises(LockTimeout):
-            async with rw.write(0.05):
-                pass
-    async with rw.read(0.1):
-        with pytest.raises(LockTimeout):
-            async with rw.write(0.05):
-                pass
-    async with rw.write(0):  # free again: a zero timeout still acquires
+async def test_waiting_gc_never_delays_a_chain() -> None:
+    nl = NetworkLocks()
+    release = asyncio.Event()
+    order: list[str] = []
+
+    async def slow_add() -> None:
+        async with nl.use("pods", 1):
+            await release.wait()
+        order.append("slow add done")
+
+    async def gc() -> None:
+        async with nl.exclusive("pods", 5):
+            order.append("gc")
+
+    slow = asyncio.create_task(slow_add())
+    await asyncio.sleep(0)
+    pending_gc = asyncio.create_task(gc())
+    await asyncio.sleep(0.01)
+    # A new chain on the same network, while the GC waits: in at once.
+    async with nl.use("pods", 0):
+        order.append("new chain")
+    release.set()
+    await wait(asyncio.gather(slow, pending_gc))
+    assert order == ["new chain", "slow add done", "gc"]
+    assert not nl.busy("pods")
+
+
+async def test_gc_gives_up_when_no_quiet_instant_comes() -> None:
+    nl = NetworkLocks()
+    stop = asyncio.Event()
+    waited: list[float] = []
+
+    async def stream() -> None:
+        chains: list[asyncio.Task[None]] = []
+
+        async def one() -> None:
+            start = time.monotonic()
+            async with nl.use("pods", 5):
+                waited.append(time.monotonic() - start)
+                await asyncio.sleep(0.02)  # chains overlap: never idle
+
+        while not stop.is_set():
+            chains.append(asyncio.create_task(one()))
+            await asyncio.sleep(0.005)
+        await asyncio.gather(*chains)
+
+    task = asyncio.create_task(stream())
+    await asyncio.sleep(0.03)
+    with pytest.raises(LockTimeout) as e:
+        async with nl.exclusive("pods", 0.2):
+            pytest.fail("GC ran while chains were in flight")
+    assert str(e.value) == "network pods is busy: lock not acquired within 0.2s"
+    stop.set()
+    await wait(task)
+    assert max(waited) < 0.01  # no chain ever waited for the GC
+    assert not nl.busy("pods")
+
+
+async def test_running_gc_holds_new_chains_of_its_network_only() -> None:
+    nl = NetworkLocks()
+    release = asyncio.Event()
+    entered = asyncio.Event()
+
+    async def gc() -> None:
+        async with nl.exclusive("pods", 1):
+            entered.set()
+            await release.wait()
+
+    task = asyncio.create_task(gc())
+    await entered.wait()
+    async with nl.use("other", 0):  # another network: unaffected
+        pass
+    with pytest.raises(LockTimeout) as e:
+        async with nl.use("pods", 0.05):
+            pass
+    assert "network pods (its GC is running)" in str(e.value)
+    waiting = asyncio.create_task(_use(nl, "pods"))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    release.set()
+    await wait(asyncio.gather(task, waiting))
+    assert not nl.busy("pods")
+
+
+async def _use(nl: NetworkLocks, name: str) -> None:
+    async with nl.use(name, 5):
         pass
 
 
-async def test_waiting_writer_is_not_starved_by_readers() -> None:
-    rw = RWLock()
-    stop = asyncio.Event()
-    order: list[str] = []
-
-    async def reader_stream() -> None:
-        readers: list[asyncio.Task[None]] = []
-
-        async def one() -> None:
-            async with rw.read(5):
-                await asyncio.sleep(0.02)  # readers overlap: never zero without the writer
-            order.append("r")
-
-        while not stop.is_set():
-            readers.append(asyncio.create_task(one()))
-            await asyncio.sleep(0.005)
-        await asyncio.gather(*readers)
-
-    stream = asyncio.create_task(reader_stream())
-    await asyncio.sleep(0.05)
-    start = time.monotonic()
-    async with rw.write(2):
-        order.append("W")
-        waited = time.monotonic() - start
-    stop.set()
-    await wait(stream)
-    assert waited < 0.5
-    assert "r" in order[order.index("W") + 1:]  # readers resumed after the writer
-
-
-async def test_readers_queue_behind_a_waiting_writer_and_writers_are_fifo() -> None:
-    rw = RWLock()
-    order: list[str] = []
+async def test_cancelled_waiters_leave_no_state() -> None:
+    nl = NetworkLocks()
     release = asyncio.Event()
 
-    async def first_reader() -> None:
-        async with rw.read():
+    async def chain() -> None:
+        async with nl.use("pods", 5):
             await release.wait()
 
-    async def user(name: str) -> None:
-        async with (rw.write(5) if name.startswith("w") else rw.read(5)):
-            order.append(name)
-            await asyncio.sleep(0.001)
-
-    r0 = asyncio.create_task(first_reader())
+    c = asyncio.create_task(chain())
     await asyncio.sleep(0)
-    tasks = []
-    for name in ["w1", "r1", "w2", "r2", "w3"]:
-        tasks.append(asyncio.create_task(user(name)))
-        await asyncio.sleep(0)
-    release.set()
-    await wait(asyncio.gather(r0, *tasks))
-    assert order[:3] == ["w1", "w2", "w3"]
-    assert sorted(order[3:]) == ["r1", "r2"]
-
-
-@pytest.mark.parametrize("how", ["timeout", "cancel"])
-async def test_writer_giving_up_lets_blocked_readers_in(how: str) -> None:
-    rw = RWLock()
-    release = asyncio.Event()
-
-    async def reader() -> None:
-        async with rw.read():
-            await release.wait()
-
-    async def writer() -> None:
-        async with rw.write(0.1 if how == "timeout" else None):
-            pytest.fail("writer acquired while a reader held the lock")
-
-    r = asyncio.create_task(reader())
-    await asyncio.sleep(0)
-    w = asyncio.create_task(writer())
+    g = asyncio.create_task(nl.exclusive("pods", 5).__aenter__())
     await asyncio.sleep(0.01)
-    late = asyncio.create_task(reader())  # blocked behind the waiting writer
-    await asyncio.sleep(0.01)
-    assert not late.done() and rw._readers == 1
-    if how == "cancel":
-        w.cancel()
-        await asyncio.gather(w, return_exceptions=True)
-    else:
-        with pytest.raises(LockTimeout):
-            await w
-    await eventually(lambda: rw._readers == 2)
+    g.cancel()
+    await asyncio.gather(g, return_exceptions=True)
     release.set()
-    await wait(asyncio.gather(r, late))
-    assert (rw._readers, rw._writer) == (0, False)
-
-
-async def test_writer_cancelled_after_grant_hands_the_lock_back() -> None:
-    rw = RWLock()
-    tasks: dict[str, asyncio.Task[None]] = {}
-    got: list[str] = []
-
-    async def first() -> None:
-        async with rw.write():
-            await asyncio.sleep(0.01)
-        tasks["second"].cancel()  # granted to "second", which has not run yet
-
-    async def user(name: str) -> None:
-        async with rw.write(5):
-            got.append(name)
-
-    tasks["first"] = asyncio.create_task(first())
-    await asyncio.sleep(0)
-    tasks["second"] = asyncio.create_task(user("second"))
-    tasks["third"] = asyncio.create_task(user("third"))
-    await wait(asyncio.gather(*tasks.values(), return_exceptions=True))
-    assert tasks["second"].cancelled() and got == ["third"]
-    assert (rw._readers, rw._writer, len(rw._waiting_writers)) == (0, False, 0)
+    await wait(c)
+    assert not nl.busy("pods")
+    async with nl.exclusive("pods", 0):  # free: a zero timeout still acquires
+        pass
 
 
 async def test_sweep_removes_only_unheld_lock_files(tmp_path: Path) -> None:

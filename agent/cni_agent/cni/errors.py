@@ -49,6 +49,10 @@ class CacheError(CNIError):
     """The result cache could not be read or written."""
 
 
+class NoCachedResult(CNIError):
+    """CHECK of an attachment that has no cached ADD result."""
+
+
 class PluginError(CNIError):
     """A plugin ran and reported an error (the CNI wire error)."""
 

@@ -14,7 +14,7 @@ import json
 import os
 import signal
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -61,7 +61,9 @@ class Invocation:
 
 
 class Executor(Protocol):
-    """Runs one plugin binary; returns its stdout on success."""
+    """libcni's seam: find a plugin's binary, run it (its stdout on success)."""
+
+    def find(self, plugin: str, dirs: Sequence[str], verb: str) -> str: ...
 
     async def execute(
         self, plugin: str, binary: str, inv: Invocation, stdin: bytes, timeout: float
@@ -247,6 +249,9 @@ class ProcessExecutor:
         self._base_env = base_env
         self._instance = instance
         self._env_cache: dict[str, str] | None = None
+
+    def find(self, plugin: str, dirs: Sequence[str], verb: str) -> str:
+        return find_plugin(plugin, dirs, verb)
 
     def _environ(self, inv: Invocation) -> dict[str, str]:
         if self._env_cache is None:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cni_agent.cni.args import format_cni_args
@@ -20,6 +20,7 @@ from cni_agent.cni.errors import (
     CNIError,
     ConfigError,
     ExecError,
+    NoCachedResult,
     PluginBadOutput,
     PluginError,
 )
@@ -28,7 +29,6 @@ from cni_agent.cni.exec import (
     Invocation,
     ProcessExecutor,
     decode_json,
-    find_plugin,
 )
 from cni_agent.cni.result import convert_result, parse_result, version_at_least
 from cni_agent.netns import is_netns
@@ -97,14 +97,6 @@ def plugin_stdin(
     return json.dumps(conf).encode()
 
 
-@dataclass(frozen=True)
-class GCReport:
-    """What a GC of one network did; errors do not stop it."""
-
-    deleted: tuple[tuple[str, str], ...] = ()
-    errors: tuple[str, ...] = ()
-
-
 class CNIRuntime:
     def __init__(
         self,
@@ -126,7 +118,7 @@ class CNIRuntime:
         return ":".join(self.plugin_dirs)
 
     def find(self, plugin: str, verb: str = "lookup") -> str:
-        return find_plugin(plugin, self.plugin_dirs, verb)
+        return self.executor.find(plugin, self.plugin_dirs, verb)
 
     async def _run(
         self, net: NetworkConfigList, plugin: PluginConf, inv: Invocation, stdin: bytes,
@@ -191,44 +183,70 @@ class CNIRuntime:
     ) -> None:
         """Run the chain in reverse; drop the cache entry only after success.
 
-        DEL is sent even when the netns is gone (plugins must tolerate it).
+        `prev_result` is the ADD result as cached (callers that hold the entry
+        pass it; else, with `use_cache`, it is read here), converted to the
+        version of `net`, which may be a newer config than the ADD's. DEL is
+        sent even when the netns is gone (plugins must tolerate it).
+
+        The one DEL policy, for rollback, Teardown, reaping and GC alike: a DEL
+        that fails while the args carry keys the plugin may not know is tried
+        once more with IgnoreUnknown=1. A plugin that rejected the caller's
+        CNI_ARGS on ADD ("unknown args") rejects them on every DEL too, which
+        would make the attachment impossible to remove; the DEL does not need
+        them, and IgnoreUnknown is the spec's way to say so.
         """
         if use_cache and prev_result is None:
             prev_result = await asyncio.to_thread(self._cached_result, net, rt)
-        if not version_at_least(net.cni_version, "0.4.0"):
-            prev_result = None
+        prev = self._prev_result(net, prev_result)
+        try:
+            await self._delete_chain(net, rt, prev)
+        except CNIError:
+            if not rt.args or any(k == "IgnoreUnknown" for k, _ in rt.args):
+                raise
+            await self._delete_chain(net, replace(rt, args=(("IgnoreUnknown", "1"), *rt.args)), prev)
+        await asyncio.to_thread(self.cache.delete, net.name, rt.container_id, rt.ifname)
+
+    async def _delete_chain(self, net: NetworkConfigList, rt: RuntimeConf,
+                            prev: Mapping[str, Any] | None) -> None:
         inv = self._invocation("DEL", rt)
         for plugin in reversed(net.plugins):
             await self._run(
-                net, plugin, inv, plugin_stdin(net, plugin, prev_result, rt.capability_args),
+                net, plugin, inv, plugin_stdin(net, plugin, prev, rt.capability_args),
                 self.timeouts.delete,
             )
-        await asyncio.to_thread(self.cache.delete, net.name, rt.container_id, rt.ifname)
 
-    def _cached_result(self, net: NetworkConfigList, rt: RuntimeConf) -> dict[str, Any] | None:
+    @staticmethod
+    def _prev_result(net: NetworkConfigList, result: Mapping[str, Any] | None
+                     ) -> dict[str, Any] | None:
+        """The cached result as `net`'s prevResult: None below 0.4.0 or if unconvertible."""
+        if result is None or not version_at_least(net.cni_version, "0.4.0"):
+            return None
+        try:
+            return convert_result(dict(result), net.cni_version)
+        except CNIError:
+            return None
+
+    def _cached_result(self, net: NetworkConfigList, rt: RuntimeConf) -> Mapping[str, Any] | None:
         try:
             entry = self.cache.read(net.name, rt.container_id, rt.ifname)
         except CNIError:
             return None  # unreadable entry: DEL without prevResult, the entry is removed after
-        if entry is None or entry.result is None:
-            return None
-        try:
-            return convert_result(dict(entry.result), net.cni_version)
-        except CNIError:
-            return None
+        return None if entry is None else entry.result
 
     # --- CHECK -------------------------------------------------------------
 
-    async def check(self, net: NetworkConfigList, rt: RuntimeConf) -> bool:
-        """CHECK with the cached result; False when the list does not support it."""
+    async def check(self, net: NetworkConfigList, rt: RuntimeConf, *,
+                    prev_result: Mapping[str, Any] | None = None) -> bool:
+        """CHECK with the cached result (read here unless given); False when the
+        list does not support CHECK."""
         if not version_at_least(net.cni_version, "0.4.0") or net.disable_check:
             return False
-        prev = await asyncio.to_thread(self._cached_result, net, rt)
+        if prev_result is None:
+            prev_result = await asyncio.to_thread(self._cached_result, net, rt)
+        prev = self._prev_result(net, prev_result)
         if prev is None:
-            raise ConfigError(
-                net.source or net.name,
-                f"no cached result for {rt.container_id}/{rt.ifname} on network {net.name}",
-            )
+            raise NoCachedResult(
+                f"no cached result for {rt.container_id}/{rt.ifname} on network {net.name}")
         inv = self._invocation("CHECK", rt)
         for plugin in net.plugins:
             await self._run(
@@ -254,59 +272,33 @@ class CNIRuntime:
 
     # --- GC ----------------------------------------------------------------
 
-    async def gc(
-        self,
-        net: NetworkConfigList,
-        valid: Iterable[tuple[str, str]],
-        *,
-        netns_for: Callable[[CachedAttachment], str] | None = None,
-        entries: Sequence[CachedAttachment] | None = None,
-    ) -> GCReport:
-        """DEL cached attachments of `net` not in `valid`, then the GC verb.
+    async def gc(self, net: NetworkConfigList, valid: Iterable[tuple[str, str]]) -> tuple[str, ...]:
+        """The GC verb, with the attachments that are valid; returns the errors.
 
-        Continues past errors (every plugin gets its GC). `netns_for` chooses the
-        netns passed to each stale DEL; the default passes the cached path only
-        if it is still a network namespace. `entries` are the network's cache
-        entries when the caller has read them already (a node-wide GC reads the
-        cache once, not once per network).
+        Only the verb: DELs of stale cached attachments are the caller's (each
+        under its sandbox's lock), and so is excluding ADD/DEL on `net` while
+        this runs. Continues past errors, so every plugin gets its GC.
         """
-        valid_set = {(c, i) for c, i in valid}
-        pick = netns_for or netns_if_present
-        deleted: list[tuple[str, str]] = []
+        if not version_at_least(net.cni_version, "1.1.0") or net.disable_gc:
+            return ()
+        attachments = [{"containerID": c, "ifname": i} for c, i in sorted(set(valid))]
+        extra = {VALID_ATTACHMENTS_KEY: attachments, LEGACY_ATTACHMENTS_KEY: attachments}
+        inv = self._invocation("GC")
         errors: list[str] = []
-        if entries is None:
-            entries = await asyncio.to_thread(self.cache.for_network, net.name)
-        for entry in entries:
-            if (entry.container_id, entry.ifname) in valid_set:
-                continue
-            rt = RuntimeConf.from_cache(entry, netns=pick(entry))
+        for plugin in net.plugins:
             try:
-                # DEL with the config the attachment was added with, when readable.
-                await self.delete(cached_config(entry) or net, rt, prev_result=entry.result)
-                deleted.append((entry.container_id, entry.ifname))
+                await self._run(net, plugin, inv, plugin_stdin(net, plugin, extra=extra), self.timeouts.gc)
             except CNIError as e:
                 errors.append(str(e))
-        if version_at_least(net.cni_version, "1.1.0") and not net.disable_gc:
-            attachments = [{"containerID": c, "ifname": i} for c, i in sorted(valid_set)]
-            extra = {VALID_ATTACHMENTS_KEY: attachments, LEGACY_ATTACHMENTS_KEY: attachments}
-            inv = self._invocation("GC")
-            for plugin in net.plugins:
-                try:
-                    await self._run(
-                        net, plugin, inv, plugin_stdin(net, plugin, extra=extra), self.timeouts.gc
-                    )
-                except CNIError as e:
-                    errors.append(str(e))
-        return GCReport(tuple(deleted), tuple(errors))
+        return tuple(errors)
 
     # --- VERSION and validation -----------------------------------------------
 
     async def version(self, plugin: str, cni_version: str = "1.1.0") -> tuple[str, ...]:
         """The versions a plugin supports (cached per binary identity)."""
         binary = self.find(plugin, "VERSION")
-        st = os.stat(binary)
-        key = (binary, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
-        if key in self._versions:
+        key = _binary_key(binary)
+        if key is not None and key in self._versions:
             return self._versions[key]
         stdin = json.dumps({"cniVersion": cni_version}).encode()
         out = await self.executor.execute(
@@ -317,7 +309,8 @@ class CNIRuntime:
         if not isinstance(versions, list) or not all(isinstance(v, str) for v in versions):
             raise PluginBadOutput(plugin, "VERSION", "no supportedVersions list in the output")
         result = tuple(versions)
-        self._versions[key] = result
+        if key is not None:
+            self._versions[key] = result
         return result
 
     async def validate(self, net: NetworkConfigList) -> None:
@@ -333,6 +326,15 @@ class CNIRuntime:
                     f"plugin {plugin.type} does not support cniVersion {net.cni_version} "
                     f"(it supports {', '.join(versions) or 'nothing'})",
                 )
+
+
+def _binary_key(binary: str) -> tuple[str, int, int, int, int] | None:
+    """Identifies a binary's content cheaply; None when it cannot be stat()ed."""
+    try:
+        st = os.stat(binary)
+    except OSError:
+        return None
+    return (binary, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
 
 
 def cached_config(entry: CachedAttachment) -> NetworkConfigList | None:

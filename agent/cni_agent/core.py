@@ -1,0 +1,79 @@
+"""The agent's core, assembled from its configuration: everything but D-Bus and systemd.
+
+The daemon wraps it in adapters; tests build it with a recording executor
+and drive it in-process.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from cni_agent.cni.exec import Executor, ProcessExecutor
+from cni_agent.cni.runtime import CNIRuntime, Timeouts
+from cni_agent.config import AgentConfig
+from cni_agent.fallback import fallback_network
+from cni_agent.gc import Reaper, gc_verb_allowed
+from cni_agent.journal import Journal
+from cni_agent.locks import NetworkLocks, SandboxLocks
+from cni_agent.monitor import Monitor
+from cni_agent.podcidrs import PodCIDRs
+from cni_agent.records import SandboxStore
+from cni_agent.sandbox import SandboxManager
+from cni_agent.sandbox import Timeouts as SandboxTimeouts
+
+
+def instance_of(cfg: AgentConfig) -> str:
+    """What marks this agent's plugin processes (see `exec.kill_leftovers`)."""
+    return os.path.realpath(cfg.state_dir)
+
+
+@dataclass
+class Core:
+    runtime: CNIRuntime
+    monitor: Monitor
+    journal: Journal
+    locks: SandboxLocks
+    reaper: Reaper
+    pod_cidrs: PodCIDRs
+    manager: SandboxManager
+
+    async def stop(self) -> None:
+        await self.monitor.stop()
+        await self.reaper.stop()
+
+
+def build_core(cfg: AgentConfig, executor: Executor | None = None) -> Core:
+    t = cfg.timeouts
+    runtime = CNIRuntime(
+        cfg.plugin_dirs, cfg.state_dir,
+        executor=executor or ProcessExecutor(instance=instance_of(cfg)),
+        timeouts=Timeouts(add=t.add, delete=t.delete, check=t.check, status=t.status,
+                          gc=t.gc, version=t.version),
+    )
+    reaper: Reaper | None = None
+
+    async def gc_on_ready() -> None:
+        assert reaper is not None
+        await reaper.collect()
+
+    monitor = Monitor(
+        runtime, cfg.conf_dir,
+        default_network=cfg.default_network,
+        fallback=fallback_network(cfg.state_dir) if cfg.fallback_network else None,
+        startup_interval=cfg.monitor.startup_interval,
+        interval=cfg.monitor.interval,
+        grace_period=cfg.monitor.grace_period,
+        on_ready=gc_on_ready,
+    )
+    netlocks = NetworkLocks()
+    journal = Journal(runtime, SandboxStore(cfg.state_dir), netlocks,
+                      current=monitor.network, lock_timeout=t.lock)
+    locks = SandboxLocks(os.path.join(cfg.runtime_dir, "locks"))
+    reaper = Reaper(journal, locks, netlocks, monitor.networks,
+                    gc_verb=gc_verb_allowed(cfg.gc.networks), lock_timeout=t.lock,
+                    verb_wait=min(t.lock, 10.0))
+    pod_cidrs = PodCIDRs(cfg.state_dir, cfg.pod_cidrs)
+    manager = SandboxManager(journal, monitor, locks, reaper, pod_cidrs,
+                             SandboxTimeouts(lock=t.lock, ready=t.ready))
+    return Core(runtime, monitor, journal, locks, reaper, pod_cidrs, manager)

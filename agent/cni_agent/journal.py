@@ -1,0 +1,199 @@
+"""The journal: one owner for the lifecycle of every attachment.
+
+begin-add (the intent, durable, before any plugin runs) → added (the ADD
+chain ran and its result is cached) → ready → begin-delete → gone, and undo
+(DEL of whatever was begun). Setup, Teardown, start-up recovery and GC all
+go through here, so the record, the cache and the plugins can only change
+together, in this order. Every ADD and DEL chain holds its network
+(`NetworkLocks.use`), which the GC verb of that network takes alone.
+
+Callers hold the sandbox's lock and decide *what* to do; the journal does it
+completely and reports what it could not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
+
+from cni_agent.cni.cache import CachedAttachment
+from cni_agent.cni.config import NetworkConfigList, parse_list_or_none
+from cni_agent.cni.errors import CNIError, ConfigError
+from cni_agent.cni.runtime import CNIRuntime, RuntimeConf
+from cni_agent.locks import NetworkLocks
+from cni_agent.netns import NetnsId, netns_identity
+from cni_agent.records import Attachment, Phase, SandboxRecord, SandboxStore
+
+log = logging.getLogger(__name__)
+
+Entries = Mapping[tuple[str, str], CachedAttachment]  # by (network, ifname)
+
+_PARSED_LIMIT = 64
+
+
+def record_netns(rec: SandboxRecord | None) -> str:
+    """The record's netns path if it still names the namespace recorded at ADD, else "".
+
+    Blocking (it opens the path): run it off the event loop.
+    """
+    if rec is None or not rec.netns or rec.netns_id is None:
+        return ""
+    return rec.netns if rec.netns_id.same(netns_identity(rec.netns)) else ""
+
+
+class Journal:
+    def __init__(
+        self,
+        runtime: CNIRuntime,
+        store: SandboxStore,
+        netlocks: NetworkLocks,
+        *,
+        current: Callable[[str], NetworkConfigList | None] = lambda name: None,
+        lock_timeout: float = 60.0,
+    ) -> None:
+        self.runtime = runtime
+        self.store = store
+        self.netlocks = netlocks
+        self._current = current
+        self.lock_timeout = lock_timeout
+        # Config bytes → parsed list: DELs of one network reuse one parse.
+        self._parsed: dict[bytes, NetworkConfigList | None] = {}
+
+    # --- reading ----------------------------------------------------------------
+
+    async def view(self, sandbox_id: str) -> tuple[SandboxRecord | None, dict[tuple[str, str],
+                                                                          CachedAttachment]]:
+        """The record and the cache entries of a sandbox."""
+        return await asyncio.to_thread(self._view, sandbox_id)
+
+    def _view(self, sandbox_id: str) -> tuple[SandboxRecord | None, dict[tuple[str, str],
+                                                                        CachedAttachment]]:
+        # The record says where to look (no directory scan, which grows with the
+        # node); without one, scan like libcni does.
+        rec = self.store.read(sandbox_id)
+        if rec is None:
+            found = self.runtime.cache.for_container(sandbox_id)
+        else:
+            found = []
+            for a in rec.attachments:
+                try:
+                    entry = self.runtime.cache.read(a.network, sandbox_id, a.ifname)
+                except CNIError:
+                    continue  # unreadable: the record's own config serves its DEL
+                if entry is not None:
+                    found.append(entry)
+        return rec, {(e.network, e.ifname): e for e in found}
+
+    async def live_netns(self, rec: SandboxRecord | None) -> str:
+        return await asyncio.to_thread(record_netns, rec)
+
+    # --- adding -----------------------------------------------------------------
+
+    async def begin_add(self, rec: SandboxRecord, new: Sequence[Attachment]) -> SandboxRecord:
+        """Write the intent of `new` durably, before any of their plugins runs."""
+        begun = rec.with_attachments((*rec.attachments, *new))
+        await asyncio.to_thread(self.store.write, begun, True)
+        return begun
+
+    async def add(self, rec: SandboxRecord, att: Attachment, net: NetworkConfigList,
+                  netns: str) -> dict[str, Any]:
+        """The ADD chain of one begun attachment; the runtime caches its result."""
+        rt = RuntimeConf(rec.sandbox_id, netns, att.ifname, att.args, dict(att.capabilities))
+        async with self.netlocks.use(net.name, self.lock_timeout):
+            return await self.runtime.add(net, rt)
+
+    async def commit(self, rec: SandboxRecord, ifnames: Collection[str]) -> SandboxRecord:
+        ready = rec.with_phase(Phase.READY, ifnames)
+        await asyncio.to_thread(self.store.write, ready)
+        return ready
+
+    async def check(self, att: Attachment, entry: CachedAttachment, netns: str) -> None:
+        """CHECK with the config, args and capabilities the ADD used, and its cached result."""
+        net = self._config_for(att, entry)
+        rt = RuntimeConf(entry.container_id, netns, att.ifname, att.args, dict(att.capabilities))
+        await self.runtime.check(net, rt, prev_result=entry.result)
+
+    # --- removing ---------------------------------------------------------------
+
+    async def claim(self, sandbox_id: str, rec: SandboxRecord | None, entries: Entries,
+                    netns: str = "", identity: NetnsId | None = None) -> SandboxRecord:
+        """A record covering every attachment known of the sandbox, written.
+
+        Cache entries no record mentions (another tool, an older run) are
+        adopted in phase "deleting", so a crash while removing them is
+        finished at the next start like any other interrupted removal.
+        """
+        base = rec or SandboxRecord(sandbox_id, netns, identity, ())
+        known = {(a.network, a.ifname) for a in base.attachments}
+        extra = [Attachment(e.network, e.ifname, e.config, e.cni_args, dict(e.capability_args),
+                            Phase.DELETING)
+                 for key, e in sorted(entries.items()) if key not in known]
+        if not extra and rec is not None:
+            return rec
+        claimed = base.with_attachments((*base.attachments, *extra))
+        await asyncio.to_thread(self.store.write, claimed)
+        return claimed
+
+    async def remove(
+        self, rec: SandboxRecord, ifnames: Collection[str] | None, netns: str,
+        entries: Entries | None = None, *, unstarted: Collection[str] = (),
+    ) -> tuple[SandboxRecord | None, list[str]]:
+        """DEL the attachments `ifnames` (all when None), last added first.
+
+        Ready ones are marked "deleting" first. `unstarted` attachments never
+        ran a plugin: they leave the record without a DEL. Returns what is left
+        of the record (None: nothing, its file is gone) and the errors; an
+        attachment whose DEL failed stays, to be retried.
+        """
+        targets = [a for a in rec.attachments
+                   if (ifnames is None or a.ifname in ifnames) and a.ifname not in unstarted]
+        marking = [a.ifname for a in targets if a.phase is Phase.READY]
+        if marking:
+            rec = rec.with_phase(Phase.DELETING, marking)
+            await asyncio.to_thread(self.store.write, rec)
+        if entries is None:
+            entries = (await self.view(rec.sandbox_id))[1]
+        errors: list[str] = []
+        gone = set(unstarted)
+        for att in reversed(targets):
+            try:
+                await self._delete(rec.sandbox_id, att, netns, entries.get((att.network, att.ifname)))
+            except CNIError as e:
+                errors.append(f"{att.network}/{att.ifname}: {e}")
+            else:
+                gone.add(att.ifname)
+        left = [a for a in rec.attachments if a.ifname not in gone]
+        if left:
+            kept = rec.with_attachments(left)
+            await asyncio.to_thread(self.store.write, kept)
+            return kept, errors
+        await asyncio.to_thread(self.store.delete, rec.sandbox_id)
+        return None, errors
+
+    async def _delete(self, sandbox_id: str, att: Attachment, netns: str,
+                      entry: CachedAttachment | None) -> None:
+        net = self._config_for(att, entry)
+        rt = RuntimeConf(sandbox_id, netns, att.ifname, att.args, dict(att.capabilities))
+        async with self.netlocks.use(att.network, self.lock_timeout):
+            await self.runtime.delete(net, rt, prev_result=entry.result if entry else None,
+                                      use_cache=False)
+
+    def _config_for(self, att: Attachment, entry: CachedAttachment | None) -> NetworkConfigList:
+        """The list the ADD used (recorded, then cached), else the network's current one."""
+        for data in (att.config, entry.config if entry else b""):
+            if data and (net := self._parse(data, att.network)) is not None:
+                return net
+        current = self._current(att.network)
+        if current is None:
+            raise ConfigError(att.network, "neither the recorded nor a current config of this "
+                                           "network is usable for its DEL")
+        return current
+
+    def _parse(self, data: bytes, source: str) -> NetworkConfigList | None:
+        if data not in self._parsed:
+            if len(self._parsed) >= _PARSED_LIMIT:
+                self._parsed.clear()
+            self._parsed[data] = parse_list_or_none(data, f"recorded config of {source}")
+        return self._parsed[data]

@@ -1,0 +1,76 @@
+"""The order of requests on one sandbox, decided once, at arrival.
+
+A request takes a ticket when it arrives (after validation, before it waits
+for readiness or a lock). A removal (Teardown, or DEL of one attachment)
+supersedes every earlier add (Setup, ADD of an attachment it covers) that has
+not started yet: that add will not run, whatever it is still waiting for.
+"Started" means it holds the sandbox's lock; from then on the lock's FIFO
+order puts the removal after it. So a caller that gave up on a slow Setup and
+cleaned up with Teardown never finds the sandbox set up afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from enum import Enum
+
+from cni_agent.errors import AgentError, ErrorKind
+
+
+class Kind(Enum):
+    ADD = "add"
+    REMOVE = "remove"
+    OTHER = "other"  # Check: neither supersedes nor is superseded
+
+
+@dataclass(eq=False)
+class Ticket:
+    sandbox_id: str
+    kind: Kind
+    # The interfaces it is about; None = the whole sandbox.
+    ifnames: frozenset[str] | None = None
+    started: bool = False
+    superseded: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def covers(self, other: Ticket) -> bool:
+        if self.ifnames is None or other.ifnames is None:
+            return True
+        return bool(self.ifnames & other.ifnames)
+
+    def start(self) -> None:
+        """Called with the sandbox lock held; raises if a later removal came first."""
+        if self.superseded.is_set():
+            what = "Teardown" if self.kind is Kind.ADD else "removal"
+            raise AgentError(
+                ErrorKind.CANCELLED,
+                f"sandbox {self.sandbox_id}: a later {what} of it arrived before this request "
+                "started; nothing was set up")
+        self.started = True
+
+
+class Sequencer:
+    def __init__(self) -> None:
+        self._pending: dict[str, list[Ticket]] = {}
+
+    def pending(self, sandbox_id: str) -> int:
+        return len(self._pending.get(sandbox_id, ()))
+
+    @contextmanager
+    def arrive(self, sandbox_id: str, kind: Kind,
+               ifnames: frozenset[str] | None = None) -> Iterator[Ticket]:
+        ticket = Ticket(sandbox_id, kind, ifnames)
+        queue = self._pending.setdefault(sandbox_id, [])
+        if kind is Kind.REMOVE:
+            for earlier in queue:
+                if earlier.kind is Kind.ADD and not earlier.started and earlier.covers(ticket):
+                    earlier.superseded.set()
+        queue.append(ticket)
+        try:
+            yield ticket
+        finally:
+            queue.remove(ticket)
+            if not queue:
+                del self._pending[sandbox_id]
