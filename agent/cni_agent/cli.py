@@ -41,7 +41,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
 from typing import Any
 
-from cni_agent import __version__
+from cni_agent import __version__, cli_sandbox
 from cni_agent.cli_output import (
     BUS_HELP,
     TOP_EPILOG,
@@ -172,6 +172,18 @@ async def _list(client: AgentClient, args: argparse.Namespace, colour: bool) -> 
     return EXIT_OK
 
 
+async def _sandbox_up(client: AgentClient, args: argparse.Namespace, colour: bool) -> int:
+    path = await cli_sandbox.up(client, args.name, args.spec, args.timeout)
+    _print_result(await client.show(args.name), False)
+    print(f"join it with NetworkNamespacePath={path}")
+    return EXIT_OK
+
+
+async def _sandbox_down(client: AgentClient, args: argparse.Namespace, colour: bool) -> int:
+    await cli_sandbox.down(client, args.name)
+    return EXIT_OK
+
+
 async def _connected(command: ClientCommand, args: argparse.Namespace, colour: bool) -> int:
     async with await AgentClient.connect(args.bus or "system") as client:
         return await command(client, args, colour)
@@ -231,6 +243,13 @@ def _pod(value: str) -> PodMeta:
     if len(parts) not in (2, 3) or not all(parts):
         raise argparse.ArgumentTypeError(f"{value!r} is not NAMESPACE/NAME or NAMESPACE/NAME/UID")
     return PodMeta(*parts)
+
+
+def _sandbox_name(value: str) -> str:
+    try:
+        return cli_sandbox.check_name(value)
+    except cli_sandbox.SpecError as e:
+        raise argparse.ArgumentTypeError(e.message) from None
 
 
 def _capabilities(value: str) -> str:
@@ -344,7 +363,39 @@ def build_parser() -> argparse.ArgumentParser:
     _command(sub, "list", "list the sandboxes that have cached attachments", """
         Print the ID of every sandbox with cached attachments, one per line, sorted.""",
         "  $ cni-agent list | xargs -n1 cni-agent show", _list, '{"sandboxes": [ID, ...]}')
+    _sandbox_commands(sub)
     return parser
+
+
+def _sandbox_commands(sub: Any) -> None:
+    group = sub.add_parser(
+        "sandbox", help="a named network namespace on CNI networks, for any process or unit",
+        formatter_class=ManFormatter, description="""
+        What cni-sandbox@NAME.service runs. `up` creates /run/netns/NAME, waits for
+        readiness and sets sandbox NAME up in it (networks, args and capabilities from
+        DIR/NAME.yaml when present, else the default network); `down` tears it down and
+        deletes the namespace. Units join with NetworkNamespacePath=/run/netns/NAME.""")
+    verbs = group.add_subparsers(dest="sandbox_verb", metavar="VERB", title="verbs", required=True)
+    p = _command(verbs, "up", "create the namespace and set the sandbox up", """
+        Create /run/netns/NAME (unless it exists), wait up to --timeout for readiness and
+        set sandbox NAME up in it. On failure nothing is left: the namespace, when this
+        command created it, is deleted again.""",
+        "  $ cni-agent sandbox up web\n  podnet  eth0  10.22.0.5/24", _sandbox_up)
+    p.add_argument("name", metavar="NAME", type=_sandbox_name,
+                   help="the namespace's name, also the sandbox ID")
+    p.add_argument("--timeout", metavar="SECONDS", type=_seconds,
+                   default=cli_sandbox.DEFAULT_TIMEOUT,
+                   help=f"how long to wait for readiness (default: {cli_sandbox.DEFAULT_TIMEOUT:g})")
+    p.add_argument("--dir", metavar="DIR", default=cli_sandbox.SANDBOX_DIR,
+                   help=f"where NAME.yaml is looked for (default: {cli_sandbox.SANDBOX_DIR})")
+    # Read before connecting: a broken file is a usage error whether or not the agent runs.
+    p.set_defaults(prepare=lambda a: setattr(a, "spec", cli_sandbox.load_spec(a.dir, a.name)))
+    p = _command(verbs, "down", "tear the sandbox down and delete the namespace", """
+        Tear sandbox NAME down, then delete /run/netns/NAME. Succeeds when there is
+        nothing to do; keeps the namespace when the teardown fails.""",
+        "  $ cni-agent sandbox down web", _sandbox_down)
+    p.add_argument("name", metavar="NAME", type=_sandbox_name,
+                   help="the namespace's name, also the sandbox ID")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -352,6 +403,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     command: ClientCommand | None = getattr(args, "client_command", None)
     if command is not None:
+        if prepare := getattr(args, "prepare", None):
+            try:
+                prepare(args)
+            except ClientError as e:
+                print(f"cni-agent: {e}", file=sys.stderr)
+                return EXIT_USAGE
         return _run_client(command, args)
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)

@@ -30,6 +30,8 @@ from cni_agent.monitor import NetworkState
 from cni_agent.notify import Notifier
 
 log = logging.getLogger(__name__)
+# Seconds allowed for giving the bus name back at exit.
+RELEASE_TIMEOUT = 2.0
 
 
 class StartupError(Exception):
@@ -156,8 +158,9 @@ class Daemon:
                                     Authorizer(bus, self.cfg.access.groups), self.reload)
         bus.add_message_handler(self.iface.message_handler)
         bus.export(OBJECT_PATH, self.iface)
-        self.monitor.subscribe(self.iface.on_state)
+        # systemd first: its STATUS= line never depends on the bus being there.
         self.monitor.subscribe(self._on_state)
+        self.monitor.subscribe(self.iface.on_state)
         reply = await bus.request_name(BUS_NAME, NameFlag.DO_NOT_QUEUE)
         if reply not in (RequestNameReply.PRIMARY_OWNER, RequestNameReply.ALREADY_OWNER):
             raise StartupError(f"the bus name {BUS_NAME} is already owned: is another cni-agent running?")
@@ -175,14 +178,17 @@ class Daemon:
         status = 0
         if not stop.done():
             # Without the bus nobody can reach us: exit non-zero so systemd restarts
-            # the service once the bus is back (Restart=on-failure).
-            log.error("lost the connection to the bus; exiting")
+            # the service once the bus is back (Restart=on-failure) — unless a stop
+            # was asked for meanwhile (the node shutting down stops both).
+            log.error("lost the connection to the bus; finishing %d request(s) in flight, "
+                      "then exiting", self.iface.in_flight.count)
             self.manager.accepting = False
             await self.iface.in_flight.wait_idle()
             await self.core.stop()
-            status = 1
+            await self.notifier.stop()
+            status = 0 if self._stop.is_set() else 1
         else:
-            await self._shutdown(bus)
+            await self._shutdown(bus, lost)
         for task in (stop, lost):
             task.cancel()
         await asyncio.gather(stop, lost, return_exceptions=True)
@@ -190,13 +196,17 @@ class Daemon:
             loop.remove_signal_handler(sig)
         return status
 
-    async def _shutdown(self, bus: MessageBus) -> None:
+    async def _shutdown(self, bus: MessageBus, lost: asyncio.Future[None]) -> None:
         self.manager.draining = True
         self.monitor.begin_shutdown()  # NetworkReady=false now; waiters get False
         self.notifier.stopping(self.monitor.state.status)
         if self.cfg.shutdown_drain > 0:
             log.info("serving requests for %gs more (shutdown_drain)", self.cfg.shutdown_drain)
-            await asyncio.sleep(self.cfg.shutdown_drain)
+            # A drain is for callers that can still reach us: when the bus goes
+            # (a node shutdown stopping it alongside us), nothing new can arrive.
+            await asyncio.wait({lost}, timeout=self.cfg.shutdown_drain)
+            if lost.done():
+                log.info("the bus went away during the drain; finishing what is in flight")
         self.manager.accepting = False  # new Setups get ShuttingDown; Teardown is still served
         if self.iface.in_flight.count:
             log.info("waiting for %d request(s) in flight", self.iface.in_flight.count)
@@ -205,6 +215,9 @@ class Daemon:
             self._recovery.cancel()
         await self.core.stop()
         await self.notifier.stop()
-        with contextlib.suppress(Exception):
-            await bus.release_name(BUS_NAME)
+        if not lost.done():
+            # On a connection that broke meanwhile dbus-fast (1.84) never answers:
+            # bounded, and the name goes with the connection anyway.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(bus.release_name(BUS_NAME), RELEASE_TIMEOUT)
         log.info("cni-agent stopped")

@@ -230,8 +230,18 @@ class AgentInterface(ServiceInterface):
             changed["Networks"] = list(state.networks)
         if old.last_error != state.last_error:
             changed["LastError"] = state.last_error
-        if changed:
+        if not changed:
+            return
+        try:
             self.emit_properties_changed(changed)
+        except Exception as e:
+            # A send on a connection that broke before its reader noticed fails
+            # inside dbus-fast's loop over the interface's buses: it finalizes
+            # the bus, which unexports us mid-iteration (1.84: "Set changed size
+            # during iteration"; 5.x: EBADF on the closed socket). The state is
+            # kept above, so the properties read right; only the signal is lost,
+            # on a connection nobody can listen on any more.
+            log.info("PropertiesChanged not sent, the bus connection is gone: %s", e)
 
     # --- properties -------------------------------------------------------------------
 

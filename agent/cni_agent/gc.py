@@ -30,6 +30,7 @@ from cni_agent.cni.config import NetworkConfigList
 from cni_agent.cni.result import version_at_least
 from cni_agent.journal import Journal, record_netns
 from cni_agent.locks import LockTimeout, NetworkLocks, SandboxLocks
+from cni_agent.logctx import log_fields
 from cni_agent.netns import is_netns
 from cni_agent.records import Phase, SandboxRecord
 
@@ -154,7 +155,8 @@ class Reaper:
                     wait: float) -> None:
         try:
             async with self.locks.hold(sid, wait):
-                await self._reap_locked(sid, valid_ids, report)
+                with log_fields(SANDBOX_ID=sid):
+                    await self._reap_locked(sid, valid_ids, report)
         except LockTimeout:
             report.busy.append(sid)  # an operation is under way: not stale now
 

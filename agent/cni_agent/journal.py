@@ -23,6 +23,7 @@ from cni_agent.cni.config import NetworkConfigList, parse_list_or_none
 from cni_agent.cni.errors import CNIError, ConfigError
 from cni_agent.cni.runtime import CNIRuntime, RuntimeConf
 from cni_agent.locks import NetworkLocks
+from cni_agent.logctx import log_fields
 from cni_agent.netns import NetnsId, netns_identity
 from cni_agent.records import Attachment, Phase, SandboxRecord, SandboxStore
 
@@ -101,8 +102,11 @@ class Journal:
                   netns: str) -> dict[str, Any]:
         """The ADD chain of one begun attachment; the runtime caches its result."""
         rt = RuntimeConf(rec.sandbox_id, netns, att.ifname, att.args, dict(att.capabilities))
-        async with self.netlocks.use(net.name, self.lock_timeout):
-            return await self.runtime.add(net, rt)
+        with log_fields(NETWORK=net.name, IFNAME=att.ifname):
+            async with self.netlocks.use(net.name, self.lock_timeout):
+                result = await self.runtime.add(net, rt)
+            log.info("sandbox %s: %s/%s added", rec.sandbox_id, net.name, att.ifname)
+        return result
 
     async def commit(self, rec: SandboxRecord, ifnames: Collection[str]) -> SandboxRecord:
         ready = rec.with_phase(Phase.READY, ifnames)
@@ -113,7 +117,8 @@ class Journal:
         """CHECK with the config, args and capabilities the ADD used, and its cached result."""
         net = self._config_for(att, entry)
         rt = RuntimeConf(entry.container_id, netns, att.ifname, att.args, dict(att.capabilities))
-        await self.runtime.check(net, rt, prev_result=entry.result)
+        with log_fields(NETWORK=att.network, IFNAME=att.ifname):
+            await self.runtime.check(net, rt, prev_result=entry.result)
 
     # --- removing ---------------------------------------------------------------
 
@@ -174,11 +179,13 @@ class Journal:
 
     async def _delete(self, sandbox_id: str, att: Attachment, netns: str,
                       entry: CachedAttachment | None) -> None:
-        net = self._config_for(att, entry)
-        rt = RuntimeConf(sandbox_id, netns, att.ifname, att.args, dict(att.capabilities))
-        async with self.netlocks.use(att.network, self.lock_timeout):
-            await self.runtime.delete(net, rt, prev_result=entry.result if entry else None,
-                                      use_cache=False)
+        with log_fields(NETWORK=att.network, IFNAME=att.ifname):
+            net = self._config_for(att, entry)
+            rt = RuntimeConf(sandbox_id, netns, att.ifname, att.args, dict(att.capabilities))
+            async with self.netlocks.use(att.network, self.lock_timeout):
+                await self.runtime.delete(net, rt, prev_result=entry.result if entry else None,
+                                          use_cache=False)
+            log.info("sandbox %s: %s/%s deleted", sandbox_id, att.network, att.ifname)
 
     def _config_for(self, att: Attachment, entry: CachedAttachment | None) -> NetworkConfigList:
         """The list the ADD used (recorded, then cached), else the network's current one."""

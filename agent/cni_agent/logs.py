@@ -6,8 +6,7 @@ import logging
 import os
 import sys
 
-# Structured fields a log call may carry in `extra`; journald indexes them.
-FIELDS = ("SANDBOX_ID", "NETWORK", "IFNAME", "CNI_COMMAND", "PLUGIN")
+from cni_agent.logctx import FIELDS, ContextFields
 
 
 class _StderrFormatter(logging.Formatter):
@@ -44,6 +43,8 @@ def setup_logging(level: str = "info") -> None:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(_StderrFormatter("%(asctime)s %(levelname)-7s %(message)s",
                                               "%Y-%m-%d %H:%M:%S"))
+    # On the handler, not a logger: records of every logger pass through it.
+    handler.addFilter(ContextFields())
     root.addHandler(handler)
     root.setLevel(level.upper())
     # Library chatter stays out of the agent's log unless debugging.

@@ -33,6 +33,7 @@ from cni_agent.errors import AgentError, ErrorKind, classify
 from cni_agent.gc import Reaper
 from cni_agent.journal import Journal
 from cni_agent.locks import SandboxLocks
+from cni_agent.logctx import log_fields
 from cni_agent.monitor import Monitor
 from cni_agent.netns import NetnsError, NetnsId, bring_up_loopback, check_netns
 from cni_agent.order import Kind, Sequencer, Ticket
@@ -199,13 +200,14 @@ class SandboxManager:
         return identity
 
     async def setup(self, req: SetupRequest) -> dict[str, Any]:
-        try:
-            return await self._setup(req)
-        except Exception as e:
-            err = classify(e)
-            if err.kind is ErrorKind.CANCELLED:
-                log.info("%s", err.message, extra={"SANDBOX_ID": req.sandbox_id})
-            raise err from e
+        with log_fields(SANDBOX_ID=req.sandbox_id):
+            try:
+                return await self._setup(req)
+            except Exception as e:
+                err = classify(e)
+                if err.kind is ErrorKind.CANCELLED:
+                    log.info("%s", err.message)
+                raise err from e
 
     async def _setup(self, req: SetupRequest) -> dict[str, Any]:
         self._gate()
@@ -221,20 +223,21 @@ class SandboxManager:
             new = tuple(Attachment(net.name, r.ifname, net.bytes, args, caps)
                         for net, r in zip(nets, requests, strict=True))
             digest = _digest(new, req.capabilities)
-            async with self._locked(ticket):
-                rec, entries = await self.journal.view(req.sandbox_id)
-                if rec is not None:
-                    settled = await self._settle(rec, req.netns, identity)
-                    if settled is not rec:
-                        rec, entries = await self.journal.view(req.sandbox_id)
-                if rec is not None:
-                    return await self._repeat(rec, digest, entries)
-                if any((a.network, a.ifname) in entries for a in new):
-                    raise AgentError(ErrorKind.INVALID_ARGUMENT,
-                                     f"sandbox {req.sandbox_id} has cached attachments from another "
-                                     "tool or an older run; tear it down first")
-                return await self._add_all(SandboxRecord(req.sandbox_id, req.netns, identity, (),
-                                                         digest), new, nets)
+            with log_fields(**_single(new)):
+                async with self._locked(ticket):
+                    rec, entries = await self.journal.view(req.sandbox_id)
+                    if rec is not None:
+                        settled = await self._settle(rec, req.netns, identity)
+                        if settled is not rec:
+                            rec, entries = await self.journal.view(req.sandbox_id)
+                    if rec is not None:
+                        return await self._repeat(rec, digest, entries)
+                    if any((a.network, a.ifname) in entries for a in new):
+                        raise AgentError(ErrorKind.INVALID_ARGUMENT,
+                                         f"sandbox {req.sandbox_id} has cached attachments from another "
+                                         "tool or an older run; tear it down first")
+                    return await self._add_all(SandboxRecord(req.sandbox_id, req.netns, identity, (),
+                                                             digest), new, nets)
 
     async def _settle(self, rec: SandboxRecord, netns: str, identity: NetnsId) -> SandboxRecord | None:
         """Before a Setup: undo what an earlier run left unfinished, and reap the
@@ -244,7 +247,7 @@ class SandboxManager:
         if not live:
             unfinished = [a.ifname for a in rec.attachments]
             log.info("sandbox %s: its netns %s is gone; removing its attachments before the new "
-                     "Setup", rec.sandbox_id, rec.netns, extra={"SANDBOX_ID": rec.sandbox_id})
+                     "Setup", rec.sandbox_id, rec.netns)
         if unfinished:
             left, errors = await self.journal.remove(rec, unfinished, live)
             if errors:
@@ -282,8 +285,7 @@ class SandboxManager:
             except CNIError as e:
                 log.warning("setup of %s failed on %s/%s, rolling back: %s",
                             rec.sandbox_id, net.name, att.ifname, e,
-                            extra={"SANDBOX_ID": rec.sandbox_id, "NETWORK": net.name,
-                                   "IFNAME": att.ifname})
+                            extra={"NETWORK": net.name, "IFNAME": att.ifname})
                 # DEL what was attempted, the failing one included (the spec requires it).
                 _, undo = await self.journal.remove(
                     rec, [a.ifname for a in new[: i + 1]], rec.netns,
@@ -296,17 +298,17 @@ class SandboxManager:
             done.append(CachedAttachment(rec.sandbox_id, net.name, att.ifname, rec.netns,
                                          net.bytes, result=result))
         await self.journal.commit(rec, [a.ifname for a in new])
-        log.info("sandbox %s set up (%d attachment(s))", rec.sandbox_id, len(done),
-                 extra={"SANDBOX_ID": rec.sandbox_id})
+        log.info("sandbox %s set up (%d attachment(s))", rec.sandbox_id, len(done))
         return result_document(rec.sandbox_id, done, [(a.network, a.ifname) for a in new])
 
     # --- Teardown -------------------------------------------------------------------
 
     async def teardown(self, sandbox_id: str, netns: str = "") -> None:
-        try:
-            await self._teardown(sandbox_id, netns)
-        except Exception as e:
-            raise classify(e) from e
+        with log_fields(SANDBOX_ID=sandbox_id):
+            try:
+                await self._teardown(sandbox_id, netns)
+            except Exception as e:
+                raise classify(e) from e
 
     async def _teardown(self, sandbox_id: str, netns: str) -> None:
         validate_container_id(sandbox_id)
@@ -321,21 +323,23 @@ class SandboxManager:
                 if rec is None and netns:
                     identity = await asyncio.to_thread(_identity_or_none, netns)
                 claimed = await self.journal.claim(sandbox_id, rec, entries, netns, identity)
-                live = await self.journal.live_netns(claimed)
-                _, errors = await self.journal.remove(claimed, None, live, entries)
-                if errors:
-                    raise AgentError(ErrorKind.PLUGIN_FAILED,
-                                     f"teardown of {sandbox_id} incomplete, its cache entries are "
-                                     "kept: " + "; ".join(errors))
-                log.info("sandbox %s torn down", sandbox_id, extra={"SANDBOX_ID": sandbox_id})
+                with log_fields(**_single(claimed.attachments)):
+                    live = await self.journal.live_netns(claimed)
+                    _, errors = await self.journal.remove(claimed, None, live, entries)
+                    if errors:
+                        raise AgentError(ErrorKind.PLUGIN_FAILED,
+                                         f"teardown of {sandbox_id} incomplete, its cache entries "
+                                         "are kept: " + "; ".join(errors))
+                    log.info("sandbox %s torn down", sandbox_id)
 
     # --- Check, Show, List ------------------------------------------------------------
 
     async def check(self, sandbox_id: str, netns: str) -> None:
-        try:
-            await self._check(sandbox_id, netns)
-        except Exception as e:
-            raise classify(e) from e
+        with log_fields(SANDBOX_ID=sandbox_id):
+            try:
+                await self._check(sandbox_id, netns)
+            except Exception as e:
+                raise classify(e) from e
 
     async def _check(self, sandbox_id: str, netns: str) -> None:
         self._gate()
@@ -395,6 +399,12 @@ class SandboxManager:
             raise AgentError(ErrorKind.PLUGIN_FAILED,
                              f"garbage collection finished with {len(report.errors)} error(s): "
                              + report.errors[0])
+
+
+def _single(new: Sequence[Attachment]) -> dict[str, str]:
+    """NETWORK and IFNAME for all lines about a one-network sandbox (each
+    attachment's own lines carry its fields in any case)."""
+    return {"NETWORK": new[0].network, "IFNAME": new[0].ifname} if len(new) == 1 else {}
 
 
 def _identity_or_none(path: str) -> NetnsId | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import signal
 import subprocess
@@ -121,6 +122,36 @@ def test_plugin_failed_and_timeout(
         == ["pf", "to"]
     assert agent.call("ListSandboxes")[0] == []
     assert agent.prop("NetworkReady") is True
+
+
+def test_log_lines_carry_the_journal_fields(
+    make_agent: Callable[..., Agent], testnet: Callable[..., Path], control: Control, netns: str
+) -> None:
+    """What `journalctl NETWORK=… PLUGIN=…` finds (on stderr the fields are shown
+    as [K=V …]; under systemd the same record attributes become journal fields)."""
+    testnet()
+    agent = make_agent()
+    agent.setup("jf", netns)
+    agent.call("Teardown", "ssa{sv}", "jf", netns, "0")
+    control.set("ADD", "fail", code=7, msg="bad subnet")
+    agent.gdbus("Setup", "jf2", netns, "{}")
+    lines = agent.log().splitlines()
+
+    def having(text: str) -> list[str]:
+        return [line for line in lines if text in line]
+
+    sandbox = "SANDBOX_ID=jf NETWORK=testnet IFNAME=eth0"
+    assert all(sandbox in line for line in having("sandbox jf ")), having("sandbox jf ")
+    assert any(f"[{sandbox}]" in line for line in having("set up")), lines
+    assert any(f"[{sandbox}]" in line for line in having("torn down")), lines
+    # Every plugin execution: debug when it runs, warning when it fails.
+    assert having(f"[{sandbox} CNI_COMMAND=ADD PLUGIN=testplug]")
+    assert having(f"[{sandbox} CNI_COMMAND=DEL PLUGIN=testplug]")
+    failed = having("WARNING ") and [line for line in having("WARNING ") if "ADD of testnet failed" in line]
+    assert failed and all("[SANDBOX_ID=jf2 NETWORK=testnet IFNAME=eth0 CNI_COMMAND=ADD "
+                          "PLUGIN=testplug]" in line for line in failed), lines
+    # The STATUS poll names its plugin too, and its failures are not warnings.
+    assert having("CNI_COMMAND=STATUS PLUGIN=testplug]")
 
 
 # --- access -----------------------------------------------------------------------------
@@ -308,6 +339,36 @@ def test_sigterm_drains_and_finishes_in_flight_work(
     assert [p.returncode for p in slow] == [0, 0, 0], outs
     assert agent.proc.wait(30) == 0
     assert agent.notify is not None and "STOPPING=1" in agent.notify.lines()
+
+
+def test_the_bus_going_away_during_the_drain_ends_it(
+    make_agent: Callable[..., Agent], testnet: Callable[..., Path], control: Control,
+    netns: str, tmp_path: Path,
+) -> None:
+    """A node shutdown stops dbus alongside the agent: no caller can reach us any
+    more, so the drain ends, the Setup in flight still completes, exit 0."""
+    bus = Bus("system")
+    testnet()
+    agent = make_agent(bus=bus, shutdown_drain=120.0)
+    control.set("ADD", "succeed", sleep=2.0)
+    inflight = busctl_bg(agent, "Setup", "ssa{sv}", "inflight", netns, "0")
+    wait_for(lambda: any(r["command"] == "ADD" for r in control.records()))
+    assert agent.proc is not None and agent.notify is not None
+    agent.proc.send_signal(signal.SIGTERM)
+    agent.notify.wait_for("STOPPING=1")
+    os.kill(bus.pid, signal.SIGKILL)
+    inflight.communicate(timeout=30)
+    # Well before the 120 s drain; with the old code the exit waited for it.
+    assert agent.proc.wait(30) == 0
+    log = agent.log()
+    assert "the bus went away during the drain" in log
+    assert "cni-agent stopped" in log
+    # (dbus-fast itself logs that the reply to the Setup could not be sent.)
+    assert "listener failed" not in log and "changed size during iteration" not in log
+    # The Setup that was in flight finished: its record is complete.
+    record = json.loads((tmp_path / "state" / "sandboxes" / "inflight.json").read_text())
+    assert [a["phase"] for a in record["attachments"]] == ["ready"]
+    bus.stop()
 
 
 def test_bad_config_exits_2_naming_the_key(tmp_path: Path, system_bus: Bus) -> None:

@@ -25,6 +25,7 @@ INSTALLED_POLICY = Path("/usr/share/dbus-1/system.d/org.cniagent.Agent1.conf")
 EXPECTED = [
     "/usr/bin/cni-agent",
     "/lib/systemd/system/cni-agent.service",
+    "/lib/systemd/system/cni-sandbox@.service",
     "/usr/share/dbus-1/system.d/org.cniagent.Agent1.conf",
     "/usr/share/dbus-1/system-services/org.cniagent.Agent1.service",
     "/usr/share/dbus-1/interfaces/org.cniagent.Agent1.xml",

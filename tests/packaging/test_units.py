@@ -26,6 +26,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 UNIT = ROOT / "systemd" / "cni-agent.service"
+SANDBOX_UNIT = ROOT / "systemd" / "cni-sandbox@.service"
 SYSUSERS = ROOT / "systemd" / "cni-agent.sysusers"
 TMPFILES = ROOT / "systemd" / "cni-agent.tmpfiles"
 POLICY = ROOT / "dbus" / "org.cniagent.Agent1.conf"
@@ -115,6 +116,31 @@ def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
     assert proc.stdout + proc.stderr == ""
 
 
+def test_sandbox_template_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+    need("systemd-analyze")
+    venv_script = Path(sys.executable).parent / "cni-agent"
+    binary = shutil.which("cni-agent") or (str(venv_script) if venv_script.exists() else "/bin/true")
+    for unit, name in ((UNIT, "cni-agent.service"), (SANDBOX_UNIT, "cni-sandbox@.service")):
+        (tmp_path / name).write_text(unit.read_text().replace("/usr/bin/cni-agent ", f"{binary} "))
+    proc = subprocess.run(["systemd-analyze", "verify", "cni-sandbox@web.service"],
+                          capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "SYSTEMD_UNIT_PATH": f"{tmp_path}:"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout + proc.stderr == ""
+
+
+def test_sandbox_template_orders_itself_inside_the_agents_lifetime() -> None:
+    u = unit_entries(SANDBOX_UNIT)
+    assert "cni-agent.service" in words(u, "Unit", "Requires")
+    assert "cni-agent.service" in words(u, "Unit", "After")  # so it stops before the agent
+    assert values(u, "Service", "Type") == ["oneshot"]
+    assert values(u, "Service", "RemainAfterExit") == ["yes"]
+    assert values(u, "Service", "ExecStart") == ["/usr/bin/cni-agent sandbox up --timeout 60 %i"]
+    # Also after a failed or timed-out start: nothing left behind.
+    assert values(u, "Service", "ExecStopPost") == ["/usr/bin/cni-agent sandbox down %i"]
+    assert values(u, "Install", "WantedBy") == ["multi-user.target"]
+
+
 def test_unit_runs_the_daemon_as_a_notify_service_on_the_bus() -> None:
     u = unit_entries(UNIT)
     assert values(u, "Service", "Type") == ["notify"]
@@ -130,6 +156,8 @@ def test_unit_runs_the_daemon_as_a_notify_service_on_the_bus() -> None:
     assert values(u, "Service", "RuntimeDirectory") == ["cni-agent"]
     assert values(u, "Service", "StateDirectory") == ["cni-agent"]
     assert "dbus.socket" in words(u, "Unit", "After")
+    # The bus outlives us at shutdown (reverse start order).
+    assert "dbus.service" in words(u, "Unit", "After")
     assert "dbus.socket" in words(u, "Unit", "Requires")
     before = words(u, "Unit", "Before")
     assert {"crio.service", "containerd.service", "kubelet.service"} <= before

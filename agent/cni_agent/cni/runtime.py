@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -31,7 +32,12 @@ from cni_agent.cni.exec import (
     decode_json,
 )
 from cni_agent.cni.result import convert_result, parse_result, version_at_least
+from cni_agent.logctx import log_fields
 from cni_agent.netns import is_netns
+
+log = logging.getLogger(__name__)
+# Verbs whose failure is an expected answer, not an incident.
+_QUIET_FAILURES = frozenset({"STATUS", "VERSION"})
 
 VALID_ATTACHMENTS_KEY = "cni.dev/valid-attachments"
 LEGACY_ATTACHMENTS_KEY = "cni.dev/attachments"
@@ -124,8 +130,17 @@ class CNIRuntime:
         self, net: NetworkConfigList, plugin: PluginConf, inv: Invocation, stdin: bytes,
         timeout: float,
     ) -> bytes:
-        binary = self.find(plugin.type, inv.command)
-        return await self.executor.execute(plugin.type, binary, inv, stdin, timeout)
+        with log_fields(CNI_COMMAND=inv.command, PLUGIN=plugin.type, NETWORK=net.name,
+                        IFNAME=inv.ifname, SANDBOX_ID=inv.container_id):
+            try:
+                binary = self.find(plugin.type, inv.command)
+                log.debug("running %s %s of %s", plugin.type, inv.command, net.name)
+                return await self.executor.execute(plugin.type, binary, inv, stdin, timeout)
+            except CNIError as e:
+                # A failing STATUS is how "not ready" looks: the monitor reports it.
+                level = logging.DEBUG if inv.command in _QUIET_FAILURES else logging.WARNING
+                log.log(level, "%s %s of %s failed: %s", plugin.type, inv.command, net.name, e)
+                raise
 
     def _invocation(self, command: str, rt: RuntimeConf | None = None) -> Invocation:
         if rt is None:
