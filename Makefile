@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: all setup system venv test lint unit-py313 run deb rpm-spec-check bench bench-smoke soak clean
+.PHONY: all setup system venv test test-systemd lint unit-py313 run deb rpm-spec-check bench bench-smoke soak clean
 
 all: setup
 
@@ -24,8 +24,9 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 lint: setup
-	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff check . tools/test-systemd
 	$(VENV)/bin/mypy
+	$(VENV)/bin/mypy --strict tools/test-systemd
 
 test: setup lint unit-py313
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -43,6 +44,12 @@ ifneq ($(PY313),)
 else
 	@echo "unit-py313: no Python 3.13 found; skipped"
 endif
+
+# The DEB under a real systemd: a cached debootstrap root (in
+# /var/cache/cni-agent-tests) booted with systemd-nspawn, once with dbus-daemon
+# and once with dbus-broker; the report is out/systemd-status.txt.
+test-systemd: deb
+	tools/test-systemd
 
 # Benchmarks: one table and out/bench.json (BENCH_ARGS="--only NAME" for one).
 BENCH_ARGS ?=
