@@ -56,6 +56,25 @@ class GCConfig:
 
 
 @dataclass(frozen=True)
+class HTTPConfig:
+    # "" (off), HOST:PORT or unix:/PATH: /healthz, /readyz and /metrics.
+    listen: str = ""
+
+
+def parse_listen(text: str) -> tuple[str, int] | str:
+    """`HOST:PORT`, `[V6]:PORT` or `unix:/PATH`: (host, port), or the socket path."""
+    if text.startswith("unix:"):
+        path = text[len("unix:"):]
+        if not path.startswith("/"):
+            raise ValueError("the socket path must be absolute")
+        return path
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError("must be HOST:PORT or unix:/PATH")
+    return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True)
 class AgentConfig:
     conf_dir: str = "/etc/cni/net.d"
     plugin_dirs: tuple[str, ...] = ("/opt/cni/bin", "/usr/libexec/cni", "/usr/lib/cni")
@@ -69,6 +88,7 @@ class AgentConfig:
     shutdown_drain: float = 10.0
     access: AccessConfig = field(default_factory=AccessConfig)
     gc: GCConfig = field(default_factory=GCConfig)
+    http: HTTPConfig = field(default_factory=HTTPConfig)
     bus: str = "system"
     log_level: str = "info"
     source: str = "(defaults)"
@@ -125,6 +145,16 @@ def _cidr(source: str, key: str, value: Any) -> str:
         raise _fail(source, key, f"{text!r} is not a CIDR") from None
 
 
+def _listen(source: str, key: str, value: Any) -> str:
+    text = _string(source, key, value)
+    if text:
+        try:
+            parse_listen(text)
+        except ValueError as e:
+            raise _fail(source, key, f"{text!r}: {e}") from None
+    return text
+
+
 def _log_level(source: str, key: str, value: Any) -> str:
     text = _string(source, key, value).lower()
     if text not in LOG_LEVELS:
@@ -150,6 +180,7 @@ _SECTIONS: dict[str, tuple[type[Any], Mapping[str, Any]]] = {
                                   for f in dataclasses.fields(TimeoutsConfig)}),
     "access": (AccessConfig, {"groups": _str_list}),
     "gc": (GCConfig, {"networks": _str_list}),
+    "http": (HTTPConfig, {"listen": _listen}),
 }
 
 

@@ -16,6 +16,7 @@ from cni_agent.fallback import fallback_network
 from cni_agent.gc import Reaper, gc_verb_allowed
 from cni_agent.journal import Journal
 from cni_agent.locks import NetworkLocks, SandboxLocks
+from cni_agent.metrics import Metrics
 from cni_agent.monitor import Monitor
 from cni_agent.podcidrs import PodCIDRs
 from cni_agent.records import SandboxStore
@@ -37,6 +38,8 @@ class Core:
     reaper: Reaper
     pod_cidrs: PodCIDRs
     manager: SandboxManager
+    metrics: Metrics
+    store: SandboxStore
 
     async def stop(self) -> None:
         await self.monitor.stop()
@@ -45,9 +48,10 @@ class Core:
 
 def build_core(cfg: AgentConfig, executor: Executor | None = None) -> Core:
     t = cfg.timeouts
+    metrics = Metrics()
     runtime = CNIRuntime(
         cfg.plugin_dirs, cfg.state_dir,
-        executor=executor or ProcessExecutor(instance=instance_of(cfg)),
+        executor=metrics.observe(executor or ProcessExecutor(instance=instance_of(cfg))),
         timeouts=Timeouts(add=t.add, delete=t.delete, check=t.check, status=t.status,
                           gc=t.gc, version=t.version),
     )
@@ -66,14 +70,16 @@ def build_core(cfg: AgentConfig, executor: Executor | None = None) -> Core:
         grace_period=cfg.monitor.grace_period,
         on_ready=gc_on_ready,
     )
+    monitor.subscribe(metrics.on_state)
     netlocks = NetworkLocks()
-    journal = Journal(runtime, SandboxStore(cfg.state_dir), netlocks,
-                      current=monitor.network, lock_timeout=t.lock)
-    locks = SandboxLocks(os.path.join(cfg.runtime_dir, "locks"))
+    store = SandboxStore(cfg.state_dir)
+    journal = Journal(runtime, store, netlocks, current=monitor.network, lock_timeout=t.lock)
+    locks = SandboxLocks(os.path.join(cfg.runtime_dir, "locks"), observe=metrics.locked)
     reaper = Reaper(journal, locks, netlocks, monitor.networks,
                     gc_verb=gc_verb_allowed(cfg.gc.networks), lock_timeout=t.lock,
-                    verb_wait=min(t.lock, 10.0))
+                    verb_wait=min(t.lock, 10.0),
+                    on_report=lambda r: metrics.gc_report(len(r.deleted), len(r.rolled_back)))
     pod_cidrs = PodCIDRs(cfg.state_dir, cfg.pod_cidrs)
     manager = SandboxManager(journal, monitor, locks, reaper, pod_cidrs,
                              SandboxTimeouts(lock=t.lock, ready=t.ready))
-    return Core(runtime, monitor, journal, locks, reaper, pod_cidrs, manager)
+    return Core(runtime, monitor, journal, locks, reaper, pod_cidrs, manager, metrics, store)

@@ -25,6 +25,7 @@ from cni_agent.cni.exec import kill_leftovers
 from cni_agent.config import AgentConfig
 from cni_agent.core import build_core, instance_of
 from cni_agent.dbus_service import BUS_NAME, OBJECT_PATH, AgentInterface
+from cni_agent.httpd import HealthServer, ListenError
 from cni_agent.locks import StateDirBusy, lock_state_dir
 from cni_agent.monitor import NetworkState
 from cni_agent.notify import Notifier
@@ -155,7 +156,8 @@ class Daemon:
 
     async def _serve(self, loop: asyncio.AbstractEventLoop, bus: MessageBus) -> int:
         self.iface = AgentInterface(self.manager, self.monitor, self.pod_cidrs,
-                                    Authorizer(bus, self.cfg.access.groups), self.reload)
+                                    Authorizer(bus, self.cfg.access.groups), self.reload,
+                                    on_operation=self.core.metrics.operation)
         bus.add_message_handler(self.iface.message_handler)
         bus.export(OBJECT_PATH, self.iface)
         # systemd first: its STATUS= line never depends on the bus being there.
@@ -164,6 +166,21 @@ class Daemon:
         reply = await bus.request_name(BUS_NAME, NameFlag.DO_NOT_QUEUE)
         if reply not in (RequestNameReply.PRIMARY_OWNER, RequestNameReply.ALREADY_OWNER):
             raise StartupError(f"the bus name {BUS_NAME} is already owned: is another cni-agent running?")
+        http: HealthServer | None = None
+        if self.cfg.http.listen:
+            http = HealthServer(self.cfg.http.listen, self.monitor, self.core.metrics,
+                                self.core.store, lambda: bus.connected)
+            try:
+                await http.start()
+            except ListenError as e:
+                raise StartupError(str(e)) from None
+        try:
+            return await self._serve_named(loop, bus)
+        finally:
+            if http is not None:
+                await http.stop()
+
+    async def _serve_named(self, loop: asyncio.AbstractEventLoop, bus: MessageBus) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.add_signal_handler(sig, self._on_signal, sig)
         self._recovery = asyncio.create_task(self._recover(), name="cni-agent-recovery")

@@ -74,6 +74,11 @@ def _error(e: AgentError) -> DBusError:
     return DBusError(ERROR_PREFIX + str(e.kind), e.message)
 
 
+def _short(e: DBusError) -> str:
+    """org.cniagent.Agent1.Error.NotReady -> NotReady."""
+    return str(e.type).rsplit(".", 1)[-1]
+
+
 def _invalid(field: str, reason: str) -> AgentError:
     return AgentError(ErrorKind.INVALID_ARGUMENT, f"{field}: {reason}")
 
@@ -170,8 +175,10 @@ class AgentInterface(ServiceInterface):
         pod_cidrs: PodCIDRs,
         authorizer: Authorizer,
         reload: Callable[[], Awaitable[None]],
+        on_operation: Callable[[str, str], None] = lambda method, result: None,
     ) -> None:
         super().__init__(INTERFACE)
+        self._on_operation = on_operation  # (method, "ok" or the error name): metrics
         self.manager = manager
         self.monitor = monitor
         self.pod_cidrs = pod_cidrs
@@ -202,19 +209,29 @@ class AgentInterface(ServiceInterface):
         return None
 
     async def _serve(self, name: str, work: Callable[[], Awaitable[Any]], mutating: bool = True) -> Any:
+        result = "Cancelled"  # the caller left or we are stopping, unless set below
         with self.in_flight:
             try:
                 if mutating:
                     await self.authorizer.require(self._caller.get(), name)
-                return await work()
+                value = await work()
+                result = "ok"
+                return value
             except AgentError as e:
-                raise _error(e) from None
-            except DBusError:
+                err = _error(e)
+                result = _short(err)
+                raise err from None
+            except DBusError as e:
+                result = _short(e)
                 raise
             except Exception as e:
                 if not isinstance(e, InvalidArgument):
                     log.exception("%s failed unexpectedly", name)
-                raise _error(classify(e)) from None
+                err = _error(classify(e))
+                result = _short(err)
+                raise err from None
+            finally:
+                self._on_operation(name, result)
 
     def on_state(self, state: NetworkState) -> None:
         """Monitor listener: announce exactly the properties that changed."""

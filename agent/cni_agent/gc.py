@@ -71,6 +71,7 @@ class Reaper:
         lock_timeout: float = 60.0,
         verb_wait: float = 10.0,
         retry_delay: float = 30.0,
+        on_report: Callable[[GCReport], None] = lambda report: None,
     ) -> None:
         self.journal = journal
         self.locks = locks
@@ -80,6 +81,7 @@ class Reaper:
         self._lock_timeout = lock_timeout
         self._verb_wait = verb_wait
         self._retry_delay = retry_delay
+        self._on_report = on_report  # metrics
         # Set once start-up recovery is over: no sandbox operation runs before.
         self.recovered = asyncio.Event()
         self._retry: asyncio.Task[None] | None = None
@@ -95,6 +97,7 @@ class Reaper:
                     await self._reap(sid, None, report, wait=self._lock_timeout)
         finally:
             self.recovered.set()
+            self._on_report(report)
         return report
 
     async def collect(self, valid_ids: Collection[str] | None = None) -> GCReport:
@@ -112,6 +115,7 @@ class Reaper:
         if report.deleted or report.rolled_back:
             log.info("gc: removed %d stale attachment(s), rolled back %d sandbox(es)",
                      len(report.deleted), len(report.rolled_back))
+        self._on_report(report)
         return report
 
     async def stop(self) -> None:

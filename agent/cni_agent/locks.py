@@ -14,7 +14,7 @@ import asyncio
 import fcntl
 import os
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 _MAX_ID_BYTES = 200
@@ -105,8 +105,11 @@ class SandboxLocks:
     Not reentrant: holding an id and asking for it again times out.
     """
 
-    def __init__(self, lock_dir: str) -> None:
+    def __init__(self, lock_dir: str,
+                 observe: Callable[[float, bool], None] | None = None) -> None:
         self._dir = os.path.abspath(lock_dir)
+        # Told (seconds waited, timed out) once per acquisition attempt (metrics).
+        self._observe = observe or (lambda waited, busy: None)
         # Per id, the waiters in arrival order; the head holds or is acquiring.
         # An id's entry is dropped when its last waiter leaves.
         self._queues: dict[str, deque[asyncio.Future[None]]] = {}
@@ -132,6 +135,7 @@ class SandboxLocks:
         if deadline is None:
             deadline = loop.time() + limit  # one budget for queueing and the file lock
         queue = self._queues.setdefault(sandbox_id, deque())
+        arrived = loop.time()
         me: asyncio.Future[None] = loop.create_future()
         queue.append(me)
         fd = -1
@@ -141,15 +145,18 @@ class SandboxLocks:
                     async with asyncio.timeout_at(deadline):
                         await me  # resolved by the previous head as it leaves
                 except TimeoutError:
+                    self._observe(loop.time() - arrived, True)
                     raise LockTimeout(sandbox_id, limit, f"sandbox {sandbox_id}") from None
             delay = _POLL_MIN
             while (fd := self._try_flock(path)) < 0:  # held by another process
                 remaining = deadline - loop.time()
                 if remaining <= 0:
+                    self._observe(loop.time() - arrived, True)
                     raise LockTimeout(sandbox_id, limit, f"sandbox {sandbox_id}")
                 await asyncio.sleep(min(delay, remaining))
                 delay = min(delay * 2, _POLL_MAX)
             self._held.add(sandbox_id)
+            self._observe(loop.time() - arrived, False)
             yield
         finally:
             # However we leave (done, timeout, cancellation), leave no trace and,

@@ -83,3 +83,16 @@ def test_mistakes_are_one_line_naming_file_and_key(tmp_path: Path, text: str, me
 def test_missing_explicit_file_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigFileError, match="no such file"):
         load_config(str(tmp_path / "missing.yaml"))
+
+
+def test_http_listen_is_off_by_default_and_takes_tcp_or_unix(tmp_path: Path) -> None:
+    assert AgentConfig().http.listen == ""
+    for text in ("127.0.0.1:9750", "[::1]:9750", "unix:/run/cni-agent/metrics.sock"):
+        assert _load(tmp_path, f"http: {{listen: '{text}'}}\n").http.listen == text
+
+
+@pytest.mark.parametrize("bad", ["9750", "localhost", "127.0.0.1:0", "127.0.0.1:70000",
+                                 "unix:relative.sock", ":9750"])
+def test_a_bad_http_listen_names_the_key(tmp_path: Path, bad: str) -> None:
+    with pytest.raises(ConfigFileError, match=r"http\.listen: '"):
+        _load(tmp_path, f"http: {{listen: '{bad}'}}\n")

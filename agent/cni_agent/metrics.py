@@ -1,0 +1,138 @@
+"""The agent's Prometheus metrics: one registry per agent, fed by the core's seams.
+
+Nothing here is a second source of truth: readiness is read from the
+monitor's state at scrape time, sandboxes from the record store; the
+counters move where the work happens (the D-Bus methods, the one plugin
+execution path, the sandbox locks, the reaper).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from cni_agent.cni.errors import ExecError, PluginError, PluginTimeout
+from cni_agent.cni.exec import Executor, Invocation
+from cni_agent.monitor import Monitor, NetworkState
+
+# Plugin runs take from 1 ms (no-op) to minutes (dhcp, a remote IPAM).
+_PLUGIN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_LOCK_BUCKETS = (0.001, 0.01, 0.1, 0.5, 1, 5, 10, 30, 60)
+
+
+def plugin_result(e: BaseException | None) -> str:
+    """A small, fixed set of label values: ok, a CNI error code, or how it broke."""
+    if e is None:
+        return "ok"
+    if isinstance(e, PluginError):
+        return f"code_{e.code}"
+    if isinstance(e, PluginTimeout):
+        return "timeout"
+    if isinstance(e, ExecError):
+        return type(e).__name__
+    return "error"
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.operations = Counter(
+            "cni_agent_operations", "D-Bus method calls by method and result (ok or the error name)",
+            ("method", "result"), registry=r)
+        self.plugin_runs = Counter(
+            "cni_agent_plugin_executions", "Plugin executions by plugin, verb and result",
+            ("plugin", "verb", "result"), registry=r)
+        self.plugin_seconds = Histogram(
+            "cni_agent_plugin_duration_seconds", "Wall time of one plugin execution",
+            ("plugin", "verb"), buckets=_PLUGIN_BUCKETS, registry=r)
+        self.transitions = Counter(
+            "cni_agent_readiness_transitions", "Changes of NetworkReady", registry=r)
+        self.ready = Gauge("cni_agent_network_ready", "NetworkReady (1 ready, 0 not)", registry=r)
+        self.network_ready = Gauge(
+            "cni_agent_network_status_ready",
+            "Per loaded network: 1 when its plugins answer STATUS, else 0", ("network",), registry=r)
+        self.invalid = Gauge("cni_agent_invalid_networks", "Configuration files refused", registry=r)
+        self.reaped = Counter(
+            "cni_agent_gc_attachments", "Attachments removed by recovery and GC, by how",
+            ("how",), registry=r)
+        self.lock_wait = Histogram(
+            "cni_agent_lock_wait_seconds", "Time waited for a sandbox lock",
+            buckets=_LOCK_BUCKETS, registry=r)
+        self.busy = Counter("cni_agent_busy_refusals",
+                            "Requests refused Busy (a sandbox or network lock not free in time)",
+                            registry=r)
+        self.sandboxes = Gauge("cni_agent_sandboxes", "Sandboxes with attachments", registry=r)
+        self._last_ready: bool | None = None
+        for how in ("deleted", "rolled_back"):
+            self.reaped.labels(how)
+
+    # --- seams ---------------------------------------------------------------
+
+    def on_state(self, state: NetworkState) -> None:
+        """Monitor listener."""
+        if self._last_ready is not None and state.ready != self._last_ready:
+            self.transitions.inc()
+        self._last_ready = state.ready
+        self.ready.set(1 if state.ready else 0)
+
+    def operation(self, method: str, result: str) -> None:
+        self.operations.labels(method, result).inc()
+
+    def locked(self, waited: float, busy: bool) -> None:
+        self.lock_wait.observe(waited)
+        if busy:
+            self.busy.inc()
+
+    def gc_report(self, deleted: int, rolled_back: int) -> None:
+        self.reaped.labels("deleted").inc(deleted)
+        self.reaped.labels("rolled_back").inc(rolled_back)
+
+    def observe(self, executor: Executor) -> Executor:
+        """The executor, with every execution counted and timed."""
+        return _MeteredExecutor(executor, self)
+
+    # --- scrape --------------------------------------------------------------
+
+    def refresh(self, monitor: Monitor, sandboxes: int) -> None:
+        """Gauges read from their owners, just before a scrape."""
+        state = monitor.state
+        failing = dict(state.network_errors)
+        self.network_ready.clear()
+        for name in state.networks:
+            ok = name not in failing and (name != state.default_network or monitor.healthy)
+            self.network_ready.labels(name).set(1 if ok else 0)
+        self.invalid.set(len(state.invalid))
+        self.sandboxes.set(sandboxes)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _MeteredExecutor:
+    def __init__(self, inner: Executor, metrics: Metrics,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._inner = inner
+        self._m = metrics
+        self._clock = clock
+
+    def find(self, plugin: str, dirs: Sequence[str], verb: str) -> str:
+        return self._inner.find(plugin, dirs, verb)
+
+    async def execute(self, plugin: str, binary: str, inv: Invocation, stdin: bytes,
+                      timeout: float) -> bytes:
+        start = self._clock()
+        error: BaseException | None = None
+        try:
+            return await self._inner.execute(plugin, binary, inv, stdin, timeout)
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            self._m.plugin_seconds.labels(plugin, inv.command).observe(self._clock() - start)
+            self._m.plugin_runs.labels(plugin, inv.command, plugin_result(error)).inc()
+
+    def __getattr__(self, name: str) -> object:  # anything else the runtime asks of it
+        return getattr(self._inner, name)

@@ -1,0 +1,155 @@
+"""http.listen: /healthz, /readyz and /metrics, read with curl and checked with promtool."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support.agent import Agent
+from tests.support.plugins import Control
+
+PROMTOOL = shutil.which("promtool") or "/var/cache/cni-agent-tests/promtool/promtool"
+
+
+def curl(sock: Path, path: str) -> tuple[int, str]:
+    out = subprocess.run(["curl", "-s", "--max-time", "10", "--unix-socket", str(sock),
+                          "-w", "\n%{http_code}", f"http://agent{path}"],
+                         capture_output=True, text=True, check=True)
+    body, _, code = out.stdout.rpartition("\n")
+    return int(code), body
+
+
+def samples(sock: Path) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    code, text = curl(sock, "/metrics")
+    assert code == 200
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def until(pred: Callable[[], bool], timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def http_agent(make_agent: Callable[..., Agent], testnet: Callable[..., Path],
+               tmp_path: Path) -> tuple[Agent, Path]:
+    testnet()
+    sock = tmp_path / "metrics.sock"
+    return make_agent(http={"listen": f"unix:{sock}"}), sock
+
+
+def test_probes_follow_readiness(http_agent: tuple[Agent, Path], control: Control) -> None:
+    agent, sock = http_agent
+    assert curl(sock, "/healthz") == (200, "ok\n")
+    code, body = curl(sock, "/readyz")
+    assert (code, body) == (200, agent.prop("Status") + "\n")
+    control.set("STATUS", "fail", code=50, msg="the daemon is down")
+    until(lambda: agent.prop("NetworkReady") is False)
+    code, body = curl(sock, "/readyz")
+    assert code == 503 and "the daemon is down" in body and body == agent.prop("Status") + "\n"
+    assert curl(sock, "/healthz")[0] == 200  # alive, just not ready
+    control.clear("STATUS")
+    until(lambda: agent.prop("NetworkReady") is True)
+    assert curl(sock, "/readyz")[0] == 200
+    assert curl(sock, "/nothing")[0] == 404
+
+
+def test_readyz_fails_at_once_on_sigterm_while_calls_are_still_served(
+    make_agent: Callable[..., Agent], testnet: Callable[..., Path], tmp_path: Path, netns: str
+) -> None:
+    testnet()
+    sock = tmp_path / "metrics.sock"
+    agent = make_agent(http={"listen": f"unix:{sock}"}, shutdown_drain=3.0)
+    assert curl(sock, "/readyz")[0] == 200
+    assert agent.proc is not None and agent.notify is not None
+    agent.proc.send_signal(signal.SIGTERM)
+    until(lambda: any(line.startswith("STOPPING=1") for line in agent.notify.lines()))  # type: ignore[union-attr]
+    code, body = curl(sock, "/readyz")
+    assert code == 503 and body.startswith("Stopping"), body
+    assert curl(sock, "/healthz")[0] == 200
+    assert agent.call("ListSandboxes") == [[]]  # the drain still serves D-Bus
+    assert agent.call("Teardown", "ssa{sv}", "gone", netns, "0") is None
+    assert agent.proc.wait(20) == 0
+    assert not sock.exists() or subprocess.run(
+        ["curl", "-s", "--unix-socket", str(sock), "http://agent/healthz"]).returncode != 0
+
+
+def test_metrics_move_by_exactly_the_operations_made(
+    http_agent: tuple[Agent, Path], control: Control, netns_factory: Callable[[], str],
+    tmp_path: Path
+) -> None:
+    agent, sock = http_agent
+    before = samples(sock)
+    a, b, c = netns_factory(), netns_factory(), netns_factory()
+    agent.setup("m1", a)
+    agent.setup("m2", b)
+    agent.call("Teardown", "ssa{sv}", "m1", a, "0")
+    control.set("ADD", "fail", code=7, msg="bad subnet")
+    out = agent.gdbus("Setup", "m3", c, "{}")
+    assert "Error.PluginFailed" in out.stderr, out.stderr
+    after = samples(sock)
+
+    def delta(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta("cni_agent_operations_total", method="Setup", result="ok") == 2
+    assert delta("cni_agent_operations_total", method="Teardown", result="ok") == 1
+    assert delta("cni_agent_operations_total", method="Setup", result="PluginFailed") == 1
+    # ADD m1, m2, m3 (failed: code 7) and the rollback DEL of m3; DEL m1.
+    assert delta("cni_agent_plugin_executions_total", plugin="testplug", verb="ADD", result="ok") == 2
+    assert delta("cni_agent_plugin_executions_total", plugin="testplug", verb="ADD",
+                 result="code_7") == 1
+    assert delta("cni_agent_plugin_executions_total", plugin="testplug", verb="DEL", result="ok") == 2
+    assert delta("cni_agent_plugin_duration_seconds_count", plugin="testplug", verb="ADD") == 3
+    assert after[("cni_agent_sandboxes", ())] == 1
+    assert after[("cni_agent_network_ready", ())] == 1
+    assert after[("cni_agent_network_status_ready", (("network", "testnet"),))] == 1
+    assert delta("cni_agent_lock_wait_seconds_count") == 4
+    assert delta("cni_agent_busy_refusals_total") == 0
+    _, text = curl(sock, "/metrics")
+    metrics_file = tmp_path / "metrics.txt"
+    metrics_file.write_text(text)
+    check = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_readiness_transitions_are_counted(http_agent: tuple[Agent, Path], control: Control) -> None:
+    agent, sock = http_agent
+    before = samples(sock)[("cni_agent_readiness_transitions_total", ())]
+    control.set("STATUS", "fail", code=50, msg="down")
+    until(lambda: agent.prop("NetworkReady") is False)
+    until(lambda: samples(sock)[("cni_agent_network_status_ready", (("network", "testnet"),))] == 0)
+    control.clear("STATUS")
+    until(lambda: agent.prop("NetworkReady") is True)
+    assert samples(sock)[("cni_agent_readiness_transitions_total", ())] == before + 2
+
+
+def test_tcp_listen_and_a_taken_port(make_agent: Callable[..., Agent],
+                                     testnet: Callable[..., Path]) -> None:
+    testnet()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        agent = make_agent(start=False, http={"listen": f"127.0.0.1:{port}"})
+        agent.write_config()
+        agent.start(wait=False)
+        assert agent.proc is not None
+        assert agent.proc.wait(20) == 1
+        assert f"http.listen 127.0.0.1:{port}" in agent.log()
+    agent = make_agent(http={"listen": f"127.0.0.1:{port}"})
+    out = subprocess.run(["curl", "-s", f"http://127.0.0.1:{port}/healthz"], capture_output=True,
+                         text=True, check=True)
+    assert out.stdout == "ok\n"
