@@ -17,6 +17,7 @@ from cni_agent.gc import Reaper, gc_verb_allowed
 from cni_agent.journal import Journal
 from cni_agent.locks import NetworkLocks, SandboxLocks
 from cni_agent.monitor import Monitor
+from cni_agent.pathwork import PathWorker
 from cni_agent.podcidrs import PodCIDRs
 from cni_agent.records import SandboxStore
 from cni_agent.sandbox import SandboxManager
@@ -41,6 +42,7 @@ class Core:
     async def stop(self) -> None:
         await self.monitor.stop()
         await self.reaper.stop()
+        self.journal.paths.stop()
 
 
 def build_core(cfg: AgentConfig, executor: Executor | None = None) -> Core:
@@ -68,7 +70,7 @@ def build_core(cfg: AgentConfig, executor: Executor | None = None) -> Core:
     )
     netlocks = NetworkLocks()
     journal = Journal(runtime, SandboxStore(cfg.state_dir), netlocks,
-                      current=monitor.network, lock_timeout=t.lock)
+                      current=monitor.network, lock_timeout=t.lock, paths=PathWorker())
     locks = SandboxLocks(os.path.join(cfg.runtime_dir, "locks"))
     reaper = Reaper(journal, locks, netlocks, monitor.networks,
                     gc_verb=gc_verb_allowed(cfg.gc.networks), lock_timeout=t.lock,

@@ -19,7 +19,7 @@ import pytest
 from cni_agent.config import AgentConfig, GCConfig, MonitorConfig, TimeoutsConfig
 from cni_agent.core import Core, build_core
 from cni_agent.errors import AgentError, ErrorKind
-from cni_agent.netns import check_netns
+from cni_agent.netns import check_netns, netns_identity
 from cni_agent.records import Attachment, Phase, SandboxRecord
 from cni_agent.sandbox import NetworkRequest, SetupRequest
 from tests.support.fakeexec import FakeExecutor
@@ -182,14 +182,15 @@ async def test_an_id_reused_after_its_netns_died_is_reaped_and_set_up_again(
         node: Node, netns_factory: Callable[[], str]) -> None:
     await node.start()
     old = netns_factory()
+    old_id = netns_identity(old)
     await node.setup("s1", old)
     subprocess.run(["ip", "netns", "del", Path(old).name], check=True)
     new = netns_factory()
     doc = await node.setup("s1", new)
     assert doc["state"] == "ready"
     # The dead attachment got its DEL (empty netns: the path is no longer its), first.
-    assert [(c.verb, c.inv.netns) for c in node.fake.calls if c.verb in ("ADD", "DEL")] == [
-        ("ADD", old), ("DEL", ""), ("ADD", new)]
+    assert [(c.verb, c.target) for c in node.fake.calls if c.verb in ("ADD", "DEL")] == [
+        ("ADD", old_id), ("DEL", None), ("ADD", netns_identity(new))]
     rec = node.record("s1")
     assert rec is not None and rec.netns == new and rec.phase is Phase.READY
 
@@ -198,12 +199,13 @@ async def test_same_path_recreated_as_a_new_namespace_counts_as_dead(
         node: Node, netns_factory: Callable[[], str]) -> None:
     await node.start()
     ns = netns_factory()
+    first = netns_identity(ns)
     await node.setup("s1", ns)
     subprocess.run(["ip", "netns", "del", Path(ns).name], check=True)
     subprocess.run(["ip", "netns", "add", Path(ns).name], check=True)
     await node.setup("s1", ns)
-    assert [(c.verb, c.inv.netns) for c in node.fake.calls if c.verb in ("ADD", "DEL")] == [
-        ("ADD", ns), ("DEL", ""), ("ADD", ns)]
+    assert [(c.verb, c.target) for c in node.fake.calls if c.verb in ("ADD", "DEL")] == [
+        ("ADD", first), ("DEL", None), ("ADD", netns_identity(ns))]
 
 
 async def test_unfinished_record_is_undone_before_a_new_setup(
