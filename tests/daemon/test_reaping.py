@@ -11,7 +11,7 @@ import pytest
 
 from tests.support.agent import Agent
 from tests.support.net import addresses, allocations, delete_link
-from tests.support.plugins import Control, conflist, wait_for, write_conf
+from tests.support.plugins import Control, conflist, ns_key, seen_netns, wait_for, write_conf
 
 pytestmark = pytest.mark.root
 
@@ -20,8 +20,9 @@ def _netns_name(path: str) -> str:
     return Path(path).name
 
 
-def _dels(control: Control) -> dict[str, str]:
-    return {r["env"]["CNI_CONTAINERID"]: r["env"]["CNI_NETNS"]
+def _dels(control: Control) -> dict[str, list[int] | str]:
+    """Sandbox → the namespace its DEL ran in (`ns_key`), "" for an empty netns."""
+    return {r["env"]["CNI_CONTAINERID"]: seen_netns(r)
             for r in control.records() if r["command"] == "DEL"}
 
 
@@ -99,7 +100,7 @@ def test_kill_9_during_setup_is_rolled_back_on_restart(
     assert addresses(netns) == []
     assert agent.call("ListSandboxes")[0] == []
     assert list((tmp_path / "state" / "sandboxes").iterdir()) == []
-    assert _dels(control) == {"crash": netns}  # the namespace still exists: DEL cleans it
+    assert _dels(control) == {"crash": ns_key(netns)}  # the namespace still exists: DEL cleans it
 
 
 def test_fallback_network_serves_until_a_real_config_appears(
