@@ -15,7 +15,7 @@ import hashlib
 import json
 import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -324,11 +324,18 @@ class SandboxManager:
         if netns and ("\x00" in netns or len(netns) > 4096 or not netns.startswith("/")):
             raise InvalidArgument("netns", "must be empty or an absolute path")
         with self.order.arrive(sandbox_id, Kind.REMOVE) as ticket:
-            async with self._locked(ticket):
+            # The caller's path is checked and pinned now, before any wait, like
+            # Setup's; it is used only when no record says where the sandbox is.
+            given_cm = self.journal.paths.pinned_if_netns(netns) if netns else _none()
+            async with _unless_hung(given_cm) as given, self._locked(ticket):
                 rec, entries = await self.journal.view(sandbox_id)
                 if rec is None and not entries:
                     return  # nothing known: success, as DEL of nothing is
-                async with self._teardown_netns(rec, entries, netns) as ns:
+                # Where the DELs run: the recorded namespace if it still is the
+                # one; without a record (another tool's entries) the caller's;
+                # else none — an empty netns, which DEL must tolerate.
+                ns_cm = self.journal.live_netns(rec, entries) if rec else _none(given)
+                async with _unless_hung(ns_cm) as ns:
                     claimed = await self.journal.claim(sandbox_id, rec, entries, netns,
                                                        ns.identity if ns else None)
                     with log_fields(**_single(claimed.attachments)):
@@ -338,33 +345,6 @@ class SandboxManager:
                                              f"teardown of {sandbox_id} incomplete, its cache "
                                              "entries are kept: " + "; ".join(errors))
                         log.info("sandbox %s torn down", sandbox_id)
-
-    @asynccontextmanager
-    async def _teardown_netns(self, rec: SandboxRecord | None,
-                              entries: Mapping[tuple[str, str], CachedAttachment],
-                              netns: str) -> AsyncIterator[Pinned | None]:
-        """Where the DELs run: the recorded namespace if it is still the one, else
-        (no record: another tool's entries) the caller's, checked and pinned like
-        Setup's; else none — an empty netns, which DEL must tolerate. A path
-        that hangs gets an empty netns too: Teardown must be able to finish."""
-        if rec is not None:
-            cm = self.journal.live_netns(rec, entries)
-        elif netns:
-            cm = self.journal.paths.pinned_if_netns(netns)
-        else:
-            cm = _no_netns()
-        entered = False
-        try:
-            async with cm as ns:
-                entered = True
-                yield ns
-        except UNANSWERED as e:
-            if entered:
-                raise
-            log.warning("tearing down with an empty netns: %s", e)
-        else:
-            return
-        yield None
 
     # --- Check, Show, List ------------------------------------------------------------
 
@@ -446,5 +426,24 @@ def _single(new: Sequence[Attachment]) -> dict[str, str]:
 
 
 @asynccontextmanager
-async def _no_netns() -> AsyncIterator[Pinned | None]:
+async def _none(ns: Pinned | None = None) -> AsyncIterator[Pinned | None]:
+    yield ns
+
+
+@asynccontextmanager
+async def _unless_hung(cm: AbstractAsyncContextManager[Pinned | None]
+                       ) -> AsyncIterator[Pinned | None]:
+    """`cm`'s namespace, or None when its path does not answer: a Teardown must
+    be able to finish (with an empty netns) even then."""
+    entered = False
+    try:
+        async with cm as ns:
+            entered = True
+            yield ns
+    except UNANSWERED as e:
+        if entered:
+            raise
+        log.warning("tearing down with an empty netns: %s", e)
+    else:
+        return
     yield None
