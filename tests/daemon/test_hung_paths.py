@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from cni_agent.pathwork import DEFAULT_THREADS, DEFAULT_TIMEOUT
 from tests.support.agent import Agent
 from tests.support.dbusclient import SyncClient
 from tests.support.hung import HungMount
@@ -19,6 +18,7 @@ from tests.support.hung import HungMount
 pytestmark = pytest.mark.root
 INVALID = "org.cniagent.Agent1.Error.InvalidArgument"
 BUSY = "org.cniagent.Agent1.Error.Busy"
+DEFAULT_THREADS, DEFAULT_TIMEOUT = 4, 5.0  # as README says (pathwork's defaults)
 
 
 @pytest.fixture
