@@ -8,7 +8,9 @@ wait for readiness, GC contention and the start-up gate. Namespaces are real
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import subprocess
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -330,3 +332,49 @@ async def test_result_document_and_show_agree(node: Node, netns_factory: Callabl
     assert [a["network"] for a in doc["attachments"]] == ["n2", "n1"]
     assert await node.manager.show("s1") == doc
     assert json.loads(json.dumps(doc)) == doc
+
+
+def _open_fds_of(ns: str) -> int:
+    """How many of this process's fds name the namespace at `ns`."""
+    want = netns_identity(ns)
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            st = os.stat(f"/proc/self/fd/{fd}")
+            if want is not None and (st.st_dev, st.st_ino) == (want.dev, want.ino):
+                count += 1
+    return count
+
+
+async def test_the_pinned_netns_is_closed_when_the_request_ends_on_every_path(
+        node: Node, netns_factory: Callable[[], str]) -> None:
+    await node.start()
+    ns = netns_factory()
+    # While a plugin runs, the agent holds the namespace and passes it as its fd.
+    gate = node.fake.hold("fake", "ADD")
+    setup = asyncio.create_task(node.setup("s1", ns))
+    await node.fake.started("ADD")
+    assert _open_fds_of(ns) == 1
+    assert node.fake.of("ADD")[0].inv.netns.startswith(f"/proc/{os.getpid()}/fd/")
+    gate.set()
+    await setup
+    assert _open_fds_of(ns) == 0  # success
+    await node.manager.check("s1", ns)
+    await node.manager.teardown("s1", ns)
+    node.fake.fail("fake", "ADD", 7, "no")
+    assert await _kind(node.setup("s2", ns)) is ErrorKind.PLUGIN_FAILED
+    assert _open_fds_of(ns) == 0  # failure and rollback
+    node.fake.succeed("fake", "ADD")
+    gate = node.fake.hold("fake", "ADD")
+    setup = asyncio.create_task(node.setup("s3", ns))
+    await node.fake.started("ADD", 3)
+    assert _open_fds_of(ns) == 1
+    setup.cancel()
+    with contextlib.suppress(asyncio.CancelledError, AgentError):
+        await setup
+    gate.set()
+    assert _open_fds_of(ns) == 0  # cancellation
+    for path in ("/proc/self/ns/net", "/nonexistent"):
+        assert await _kind(node.setup("s4", path)) is ErrorKind.INVALID_ARGUMENT
+    assert await _kind(node.manager.check("s1", ns)) is ErrorKind.NOT_FOUND
+    assert _open_fds_of(ns) == 0
