@@ -18,6 +18,7 @@ from cni_agent.journal import Journal
 from cni_agent.locks import NetworkLocks, SandboxLocks
 from cni_agent.metrics import Metrics
 from cni_agent.monitor import Monitor
+from cni_agent.pathwork import PathWorker
 from cni_agent.podcidrs import PodCIDRs
 from cni_agent.records import SandboxStore
 from cni_agent.sandbox import SandboxManager
@@ -44,6 +45,7 @@ class Core:
     async def stop(self) -> None:
         await self.monitor.stop()
         await self.reaper.stop()
+        self.journal.paths.stop()
 
 
 def build_core(cfg: AgentConfig, executor: Executor | None = None) -> Core:
@@ -73,7 +75,8 @@ def build_core(cfg: AgentConfig, executor: Executor | None = None) -> Core:
     monitor.subscribe(metrics.on_state)
     netlocks = NetworkLocks()
     store = SandboxStore(cfg.state_dir)
-    journal = Journal(runtime, store, netlocks, current=monitor.network, lock_timeout=t.lock)
+    journal = Journal(runtime, store, netlocks, current=monitor.network, lock_timeout=t.lock,
+                      paths=PathWorker())
     locks = SandboxLocks(os.path.join(cfg.runtime_dir, "locks"), observe=metrics.locked)
     reaper = Reaper(journal, locks, netlocks, monitor.networks,
                     gc_verb=gc_verb_allowed(cfg.gc.networks), lock_timeout=t.lock,

@@ -28,10 +28,11 @@ from dataclasses import dataclass, field
 from cni_agent.cni.cache import CachedAttachment
 from cni_agent.cni.config import NetworkConfigList
 from cni_agent.cni.result import version_at_least
-from cni_agent.journal import Journal, record_netns
+from cni_agent.journal import Journal
 from cni_agent.locks import LockTimeout, NetworkLocks, SandboxLocks
 from cni_agent.logctx import log_fields
-from cni_agent.netns import is_netns
+from cni_agent.netns import Pinned
+from cni_agent.pathwork import UNANSWERED
 from cni_agent.records import Phase, SandboxRecord
 
 log = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ class Reaper:
         report = GCReport()
         snap = await asyncio.to_thread(self._snapshot)
         self._note_unreadable(snap, report)
-        candidates = await asyncio.to_thread(self._candidates, snap, valid_ids)
+        candidates = await self._candidates(snap, valid_ids, report)
         for sid in candidates:
             await self._reap(sid, valid_ids, report, wait=0)
         await self._send_gc_verbs([n for n in self._networks() if self._gc_verb(n.name)], report)
@@ -138,20 +139,37 @@ class Reaper:
         for sid in snap.unreadable:
             report.errors.append(f"sandbox record {sid} is unreadable; left in place")
 
-    @staticmethod
-    def _candidates(snap: _Snapshot, valid_ids: Collection[str] | None) -> list[str]:
-        """Sandboxes that may need work (decided again under their lock); blocking."""
+    async def _candidates(self, snap: _Snapshot, valid_ids: Collection[str] | None,
+                          report: GCReport) -> list[str]:
+        """Sandboxes that may need work (decided again under their lock)."""
         out = []
         for sid in sorted(set(snap.records) | set(snap.entries)):
             rec = snap.records.get(sid)
-            if valid_ids is not None and sid not in valid_ids:
-                out.append(sid)
-            elif rec is not None:
-                if rec.phase is not Phase.READY or not record_netns(rec):
+            entries = {(e.network, e.ifname): e for e in snap.entries.get(sid, [])}
+            try:
+                if valid_ids is not None and sid not in valid_ids:
                     out.append(sid)
-            elif any(not _present(e) for e in snap.entries[sid]):
-                out.append(sid)
+                elif rec is not None:
+                    if rec.phase is not Phase.READY or not await self._alive(rec, entries):
+                        out.append(sid)
+                elif not all([await self._present(e) for e in entries.values()]):
+                    out.append(sid)
+            except UNANSWERED as e:
+                report.errors.append(f"sandbox {sid}: not looked at: {e}")  # next GC retries
         return out
+
+    async def _alive(self, rec: SandboxRecord, entries: dict[tuple[str, str], CachedAttachment]
+                     ) -> bool:
+        async with self.journal.live_netns(rec, entries) as ns:
+            return ns is not None
+
+    async def _present(self, entry: CachedAttachment) -> bool:
+        """Whether a cache entry's netns path (written by another tool: no identity
+        recorded) still is a network namespace."""
+        if not entry.netns:
+            return False
+        async with self.journal.paths.pinned_if_netns(entry.netns) as ns:
+            return ns is not None
 
     # --- one sandbox, under its lock ----------------------------------------------
 
@@ -160,14 +178,18 @@ class Reaper:
         try:
             async with self.locks.hold(sid, wait):
                 with log_fields(SANDBOX_ID=sid):
-                    await self._reap_locked(sid, valid_ids, report)
+                    rec, entries = await self.journal.view(sid)
+                    async with self.journal.live_netns(rec, entries) as ns:
+                        await self._reap_locked(sid, rec, entries, ns, valid_ids, report)
         except LockTimeout:
             report.busy.append(sid)  # an operation is under way: not stale now
+        except UNANSWERED as e:
+            # Alive or not is unknown: leave it to the next GC.
+            report.errors.append(f"sandbox {sid}: not looked at: {e}")
 
-    async def _reap_locked(self, sid: str, valid_ids: Collection[str] | None,
-                           report: GCReport) -> None:
-        rec, entries = await self.journal.view(sid)
-        netns = await self.journal.live_netns(rec)
+    async def _reap_locked(self, sid: str, rec: SandboxRecord | None,
+                           entries: dict[tuple[str, str], CachedAttachment], netns: Pinned | None,
+                           valid_ids: Collection[str] | None, report: GCReport) -> None:
         unfinished = [a.ifname for a in rec.attachments if a.phase is not Phase.READY] if rec else []
         if rec is not None and unfinished:
             _, errors = await self.journal.remove(rec, unfinished, netns, entries)
@@ -180,7 +202,7 @@ class Reaper:
             # A recorded sandbox is dead when its namespace is; a cache entry of
             # another tool (no identity recorded) when its path is no namespace.
             dead = rec is not None and not netns
-            stale = [e for e in foreign if not await asyncio.to_thread(_present, e)]
+            stale = [e for e in foreign if not await self._present(e)]
         doomed = {e.ifname for e in stale}
         if dead and rec is not None:
             doomed |= {a.ifname for a in rec.attachments}
@@ -242,9 +264,3 @@ class Reaper:
 
 def _in(rec: SandboxRecord | None, entry: CachedAttachment) -> bool:
     return rec is not None and rec.attachment(entry.ifname) is not None
-
-
-def _present(entry: CachedAttachment) -> bool:
-    """Whether a cache entry's netns path (written by another tool: no identity
-    recorded) still is a network namespace; blocking."""
-    return bool(entry.netns) and is_netns(entry.netns)

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
+from contextlib import asynccontextmanager
 from typing import Any
 
 from cni_agent.cni.cache import CachedAttachment
@@ -24,7 +25,8 @@ from cni_agent.cni.errors import CNIError, ConfigError
 from cni_agent.cni.runtime import CNIRuntime, RuntimeConf
 from cni_agent.locks import NetworkLocks
 from cni_agent.logctx import log_fields
-from cni_agent.netns import NetnsId, netns_identity
+from cni_agent.netns import NetnsError, NetnsId, Pinned, interfaces, with_sandbox
+from cni_agent.pathwork import PathWorker
 from cni_agent.records import Attachment, Phase, SandboxRecord, SandboxStore
 
 log = logging.getLogger(__name__)
@@ -34,14 +36,45 @@ Entries = Mapping[tuple[str, str], CachedAttachment]  # by (network, ifname)
 _PARSED_LIMIT = 64
 
 
-def record_netns(rec: SandboxRecord | None) -> str:
-    """The record's netns path if it still names the namespace recorded at ADD, else "".
+def recorded_links(rec: SandboxRecord, entries: Entries) -> dict[str, str]:
+    """ifname → MAC of what the ready attachments left in their namespace, as
+    their cached results report it (the sandboxed interface of each, with a MAC)."""
+    out: dict[str, str] = {}
+    for a in rec.attachments:
+        entry = entries.get((a.network, a.ifname))
+        if a.phase is not Phase.READY or entry is None or not isinstance(entry.result, Mapping):
+            continue
+        for iface in entry.result.get("interfaces") or ():
+            if (isinstance(iface, Mapping) and iface.get("name") == a.ifname
+                    and iface.get("sandbox") and iface.get("mac")):
+                out[a.ifname] = str(iface["mac"]).lower()
+    return out
 
-    Blocking (it opens the path): run it off the event loop.
+
+async def is_recorded(rec: SandboxRecord, entries: Entries, ns: Pinned) -> bool:
+    """Whether the pinned namespace is the one `rec` was set up in.
+
+    The kernel's namespace id settles it. Without one (Linux < 6.11, older
+    records) (st_dev, st_ino) may be a recreated namespace's, so the
+    interfaces the attachments left must be there too, with their MACs.
     """
-    if rec is None or not rec.netns or rec.netns_id is None:
-        return ""
-    return rec.netns if rec.netns_id.same(netns_identity(rec.netns)) else ""
+    if rec.netns_id is None or not rec.netns_id.same(ns.identity):
+        return False
+    if rec.netns_id.certain and ns.identity.certain:
+        return True
+    expected = recorded_links(rec, entries)
+    if not expected:
+        return True  # nothing to confirm by: the inode is all there is
+    try:
+        found = {i.name: i.mac.lower() for i in await interfaces(ns)}
+    except NetnsError as e:
+        log.warning("cannot list the links of %s to confirm its identity: %s", ns.path, e)
+        return True  # unknown: keep it rather than reap a live sandbox
+    missing = [n for n, mac in sorted(expected.items()) if found.get(n) != mac]
+    if missing:
+        log.info("netns %s has the recorded inode but not the recorded %s: another namespace",
+                 ns.path, ", ".join(missing))
+    return not missing
 
 
 class Journal:
@@ -53,8 +86,11 @@ class Journal:
         *,
         current: Callable[[str], NetworkConfigList | None] = lambda name: None,
         lock_timeout: float = 60.0,
+        paths: PathWorker | None = None,
     ) -> None:
         self.runtime = runtime
+        # Every open of a caller's (or recorded) netns path goes through here.
+        self.paths = paths or PathWorker()
         self.store = store
         self.netlocks = netlocks
         self._current = current
@@ -87,8 +123,20 @@ class Journal:
                     found.append(entry)
         return rec, {(e.network, e.ifname): e for e in found}
 
-    async def live_netns(self, rec: SandboxRecord | None) -> str:
-        return await asyncio.to_thread(record_netns, rec)
+    @asynccontextmanager
+    async def live_netns(self, rec: SandboxRecord | None, entries: Entries
+                         ) -> AsyncIterator[Pinned | None]:
+        """The record's namespace, pinned, if its path still names the one
+        recorded at ADD; else None (gone, replaced, or no namespace).
+
+        PathTimeout/PathsBusy (`pathwork.UNANSWERED`) when the path hangs:
+        whether it is alive is not known then.
+        """
+        if rec is None or not rec.netns or rec.netns_id is None:
+            yield None
+            return
+        async with self.paths.pinned_if_netns(rec.netns) as ns:
+            yield ns if ns is not None and await is_recorded(rec, entries, ns) else None
 
     # --- adding -----------------------------------------------------------------
 
@@ -99,9 +147,10 @@ class Journal:
         return begun
 
     async def add(self, rec: SandboxRecord, att: Attachment, net: NetworkConfigList,
-                  netns: str) -> dict[str, Any]:
-        """The ADD chain of one begun attachment; the runtime caches its result."""
-        rt = RuntimeConf(rec.sandbox_id, netns, att.ifname, att.args, dict(att.capabilities))
+                  ns: Pinned) -> dict[str, Any]:
+        """The ADD chain of one begun attachment, in the pinned namespace; the
+        runtime caches its result (with the caller's path)."""
+        rt = _conf(rec.sandbox_id, att, ns)
         with log_fields(NETWORK=net.name, IFNAME=att.ifname):
             async with self.netlocks.use(net.name, self.lock_timeout):
                 result = await self.runtime.add(net, rt)
@@ -113,12 +162,12 @@ class Journal:
         await asyncio.to_thread(self.store.write, ready)
         return ready
 
-    async def check(self, att: Attachment, entry: CachedAttachment, netns: str) -> None:
+    async def check(self, att: Attachment, entry: CachedAttachment, ns: Pinned) -> None:
         """CHECK with the config, args and capabilities the ADD used, and its cached result."""
         net = self._config_for(att, entry)
-        rt = RuntimeConf(entry.container_id, netns, att.ifname, att.args, dict(att.capabilities))
+        rt = _conf(entry.container_id, att, ns)
         with log_fields(NETWORK=att.network, IFNAME=att.ifname):
-            await self.runtime.check(net, rt, prev_result=entry.result)
+            await self.runtime.check(net, rt, prev_result=_as_plugin_sees(entry.result, ns))
 
     # --- removing ---------------------------------------------------------------
 
@@ -142,10 +191,11 @@ class Journal:
         return claimed
 
     async def remove(
-        self, rec: SandboxRecord, ifnames: Collection[str] | None, netns: str,
+        self, rec: SandboxRecord, ifnames: Collection[str] | None, ns: Pinned | None,
         entries: Entries | None = None, *, unstarted: Collection[str] = (),
     ) -> tuple[SandboxRecord | None, list[str]]:
-        """DEL the attachments `ifnames` (all when None), last added first.
+        """DEL the attachments `ifnames` (all when None), last added first, in
+        the pinned namespace (None: with an empty netns).
 
         Ready ones are marked "deleting" first. `unstarted` attachments never
         ran a plugin: they leave the record without a DEL. Returns what is left
@@ -164,7 +214,7 @@ class Journal:
         gone = set(unstarted)
         for att in reversed(targets):
             try:
-                await self._delete(rec.sandbox_id, att, netns, entries.get((att.network, att.ifname)))
+                await self._delete(rec.sandbox_id, att, ns, entries.get((att.network, att.ifname)))
             except CNIError as e:
                 errors.append(f"{att.network}/{att.ifname}: {e}")
             else:
@@ -177,14 +227,14 @@ class Journal:
         await asyncio.to_thread(self.store.delete, rec.sandbox_id)
         return None, errors
 
-    async def _delete(self, sandbox_id: str, att: Attachment, netns: str,
+    async def _delete(self, sandbox_id: str, att: Attachment, ns: Pinned | None,
                       entry: CachedAttachment | None) -> None:
         with log_fields(NETWORK=att.network, IFNAME=att.ifname):
             net = self._config_for(att, entry)
-            rt = RuntimeConf(sandbox_id, netns, att.ifname, att.args, dict(att.capabilities))
+            rt = _conf(sandbox_id, att, ns)
+            prev = _as_plugin_sees(entry.result, ns) if entry else None
             async with self.netlocks.use(att.network, self.lock_timeout):
-                await self.runtime.delete(net, rt, prev_result=entry.result if entry else None,
-                                          use_cache=False)
+                await self.runtime.delete(net, rt, prev_result=prev, use_cache=False)
             log.info("sandbox %s: %s/%s deleted", sandbox_id, att.network, att.ifname)
 
     def _config_for(self, att: Attachment, entry: CachedAttachment | None) -> NetworkConfigList:
@@ -204,3 +254,19 @@ class Journal:
                 self._parsed.clear()
             self._parsed[data] = parse_list_or_none(data, f"recorded config of {source}")
         return self._parsed[data]
+
+
+def _conf(sandbox_id: str, att: Attachment, ns: Pinned | None) -> RuntimeConf:
+    """Plugins get the pinned handle as CNI_NETNS (or "" without a namespace)."""
+    if ns is None:
+        return RuntimeConf(sandbox_id, "", att.ifname, att.args, dict(att.capabilities))
+    return RuntimeConf(sandbox_id, ns.plugin_path, att.ifname, att.args, dict(att.capabilities),
+                       given_netns=ns.path)
+
+
+def _as_plugin_sees(result: Mapping[str, Any] | None, ns: Pinned | None) -> dict[str, Any] | None:
+    """A cached result (sandbox = the caller's path) as a prevResult whose sandbox
+    matches CNI_NETNS: bridge's CHECK compares the two."""
+    if result is None or ns is None:
+        return None if result is None else dict(result)
+    return with_sandbox(result, ns.plugin_path)

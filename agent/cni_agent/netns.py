@@ -1,4 +1,9 @@
-"""Network namespaces: side-effect-free identification and netlink access.
+"""Network namespaces: side-effect-free identification, pinning and netlink access.
+
+A caller's path is resolved exactly once (`pin`): the open fd is verified
+(nsfs, a network namespace, not the agent's own) and everything afterwards
+goes through it — plugins get `/proc/<agent pid>/fd/N`, netlink work setns()es
+to the fd — so swapping a symlink after the check changes nothing.
 
 Works with pyroute2 0.7.x (distros) and 0.9.x (PyPI). We never use pyroute2's
 own netns support: `NetNS(path)` defaults to O_CREAT (a typo would silently
@@ -20,7 +25,7 @@ import logging
 import os
 import stat
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -30,11 +35,14 @@ __all__ = [
     "Interface",
     "NetnsError",
     "NetnsId",
+    "Pinned",
     "bring_up_loopback",
     "check_netns",
     "interfaces",
     "is_netns",
     "netns_identity",
+    "pin",
+    "with_sandbox",
 ]
 
 log = logging.getLogger(__name__)
@@ -42,6 +50,7 @@ log = logging.getLogger(__name__)
 NS_GET_NSTYPE = 0xB703  # ioctl on an nsfs fd: returns the CLONE_NEW* type
 NS_GET_ID = 0x8008B70D  # _IOR(0xb7, 13, u64): the namespace's id, never reused (Linux >= 6.11)
 CLONE_NEWNET = 0x40000000
+NSFS_MAGIC = 0x6E736673  # statfs f_type of namespace files
 _NS_TYPES = {
     0x00020000: "mnt",
     0x02000000: "cgroup",
@@ -58,6 +67,15 @@ _T = TypeVar("_T")
 
 # os.setns only exists on Python >= 3.12; libc's setns(2) works everywhere.
 _libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _fs_type(fd: int) -> int:
+    """statfs f_type of an fd (first field of struct statfs on Linux)."""
+    buf = ctypes.create_string_buffer(512)  # larger than struct statfs on every arch
+    if _libc.fstatfs(fd, buf) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
 
 
 class NetnsError(Exception):
@@ -159,7 +177,11 @@ def _kind(mode: int) -> str | None:
 def _open_netns(path: str) -> int:
     """Open `path` iff it is a network namespace; never creates or blocks.
 
-    Returns an O_CLOEXEC fd owned by the caller; raises NetnsError otherwise.
+    The path is resolved once (symlinks followed, as for /proc/PID/ns/net) by
+    an O_PATH open, which has no side effects on FIFOs or devices; the real fd
+    is reopened from that one, so both name the same file whatever happens to
+    the path meanwhile. Returns an O_CLOEXEC fd owned by the caller; raises
+    NetnsError otherwise.
     """
     if not path:
         raise NetnsError(path, "is empty")
@@ -169,25 +191,25 @@ def _open_netns(path: str) -> int:
         raise NetnsError(path, f"is longer than {_PATH_MAX} bytes")
     if not os.path.isabs(path):
         raise NetnsError(path, "is not an absolute path")
-    # stat (following symlinks, as for /proc/PID/ns/net) BEFORE opening: opening
-    # a FIFO could block and opening a device could have side effects.
     try:
-        st = os.stat(path)
+        opath = os.open(path, os.O_PATH | os.O_CLOEXEC)
     except FileNotFoundError:
         raise NetnsError(path, "does not exist") from None
     except OSError as e:
-        raise NetnsError(path, f"cannot stat: {e.strerror}") from None
-    if (why := _kind(st.st_mode)) is not None:
-        raise NetnsError(path, why)
-    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY  # no O_CREAT
-    try:
-        fd = os.open(path, flags)
-    except OSError as e:
         raise NetnsError(path, f"cannot open: {e.strerror}") from None
     try:
-        fst = os.fstat(fd)
-        if (fst.st_dev, fst.st_ino) != (st.st_dev, st.st_ino):  # replaced meanwhile
-            raise NetnsError(path, "changed while being opened")
+        if (why := _kind(os.fstat(opath).st_mode)) is not None:
+            raise NetnsError(path, why)
+        if _fs_type(opath) != NSFS_MAGIC:
+            raise NetnsError(path, "is a regular file, not a namespace")
+        flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY  # no O_CREAT
+        try:
+            fd = os.open(f"/proc/self/fd/{opath}", flags)
+        except OSError as e:
+            raise NetnsError(path, f"cannot open: {e.strerror}") from None
+    finally:
+        os.close(opath)
+    try:
         try:
             nstype = fcntl.ioctl(fd, NS_GET_NSTYPE)
         except OSError:
@@ -224,23 +246,88 @@ def is_netns(path: str) -> bool:
     return netns_identity(path) is not None
 
 
-def check_netns(path: str, field: str = "netns") -> NetnsId:
-    """Identity of the netns at `path`, or InvalidArgument(field, reason)."""
+class Pinned:
+    """A network namespace held open for one request; the only way it is reached.
+
+    `path` is the caller's, as given (records, cache, Show); `plugin_path` is
+    what plugins open. Close it when the request ends.
+    """
+
+    __slots__ = ("_fd", "identity", "path")
+
+    def __init__(self, path: str, fd: int, identity: NetnsId) -> None:
+        self.path = path
+        self.identity = identity
+        self._fd = fd
+
+    @property
+    def fd(self) -> int:
+        if self._fd < 0:
+            raise ValueError(f"network namespace {_show(self.path)} is closed")
+        return self._fd
+
+    @property
+    def plugin_path(self) -> str:
+        # Plugins are processes of their own: they reach our open fd through
+        # our pid (/proc/self would be theirs). It stays open while they run.
+        return f"/proc/{os.getpid()}/fd/{self.fd}"
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            os.close(fd)
+
+    def __enter__(self) -> Pinned:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def pin(path: str, field: str = "netns") -> Pinned:
+    """Open and verify the netns at `path` once, or InvalidArgument(field, reason).
+
+    Blocking (it resolves a caller's path): run it off the event loop.
+    """
     try:
         fd = _open_netns(path)
     except NetnsError as e:
         raise InvalidArgument(field, f"{_show(path)} {e.reason}") from None
     try:
         ident = fd_identity(fd)
-    finally:
+        # /proc/self is the main thread, which never leaves the agent's namespace;
+        # two live namespaces never share an inode, and we hold this one open.
+        own = os.stat("/proc/self/ns/net")
+        if (ident.dev, ident.ino) == (own.st_dev, own.st_ino):
+            raise InvalidArgument(
+                field, f"{_show(path)}: refusing to configure the agent's own network namespace"
+            )
+        return Pinned(path, fd, ident)
+    except BaseException:
         os.close(fd)
-    # /proc/self is the main thread, which never leaves the agent's namespace.
-    own = os.stat("/proc/self/ns/net")
-    if (ident.dev, ident.ino) == (own.st_dev, own.st_ino):
-        raise InvalidArgument(
-            field, f"{_show(path)}: refusing to configure the agent's own network namespace"
-        )
-    return ident
+        raise
+
+
+def check_netns(path: str, field: str = "netns") -> NetnsId:
+    """Identity of the netns at `path`, or InvalidArgument(field, reason)."""
+    with pin(path, field) as ns:
+        return ns.identity
+
+
+def with_sandbox(result: Mapping[str, Any], path: str) -> dict[str, Any]:
+    """`result` with every interface's non-empty `sandbox` set to `path`.
+
+    Sandboxed interfaces of an attachment are all in its one namespace: plugins
+    see it as the pinned handle, the cache and callers as the caller's path.
+    """
+    out = dict(result)
+    ifaces = out.get("interfaces")
+    if isinstance(ifaces, list):
+        out["interfaces"] = [
+            {**i, "sandbox": path} if isinstance(i, dict) and i.get("sandbox") else i
+            for i in ifaces
+        ]
+    return out
 
 
 def _setns(fd: int) -> None:
@@ -249,33 +336,36 @@ def _setns(fd: int) -> None:
         raise OSError(err, f"setns: {os.strerror(err)}")
 
 
-def _with_iproute(path: str, func: Callable[[Any], _T]) -> _T:
-    """Run func(IPRoute bound to the netns at path); blocking, for to_thread."""
+def _with_iproute(target: Pinned | str, func: Callable[[Any], _T]) -> _T:
+    """Run func(IPRoute bound to the netns `target`); blocking, for to_thread.
+
+    A path (tests, tools) is pinned for the call; the agent passes its handle.
+    """
+    if isinstance(target, str):
+        with Pinned(target, _open_netns(target), NetnsId(0, 0)) as ns:
+            return _with_iproute(ns, func)
     # Imported on first use: pyroute2 costs ~0.15 s and ~11 MiB, which an agent
     # that is only starting (or only reporting readiness) need not pay.
     from pyroute2 import IPRoute, NetlinkError
 
-    target = _open_netns(path)
+    path = target.path
+    home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
     try:
-        home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         try:
-            try:
-                _setns(target)
-                ipr = IPRoute()
-            except (OSError, NetlinkError) as e:
-                raise NetnsError(path, f"cannot open netlink socket: {e}") from e
-            finally:
-                try:
-                    _setns(home)
-                except OSError:
-                    # This pool thread would silently run later host work inside
-                    # a container's namespace; dying is safer (systemd restarts).
-                    log.critical("cannot restore thread network namespace", exc_info=True)
-                    os.abort()
+            _setns(target.fd)
+            ipr = IPRoute()
+        except (OSError, NetlinkError) as e:
+            raise NetnsError(path, f"cannot open netlink socket: {e}") from e
         finally:
-            os.close(home)
+            try:
+                _setns(home)
+            except OSError:
+                # This pool thread would silently run later host work inside
+                # a container's namespace; dying is safer (systemd restarts).
+                log.critical("cannot restore thread network namespace", exc_info=True)
+                os.abort()
     finally:
-        os.close(target)
+        os.close(home)
     # The socket is now bound to the target; the thread is back home.
     try:
         with ipr:
@@ -312,11 +402,11 @@ def _list_interfaces(ipr: Any) -> list[Interface]:
     ]
 
 
-async def bring_up_loopback(path: str) -> None:
-    """Set `lo` up inside the network namespace at `path`."""
-    await asyncio.to_thread(_with_iproute, path, _loopback_up)
+async def bring_up_loopback(target: Pinned | str) -> None:
+    """Set `lo` up inside the network namespace `target`."""
+    await asyncio.to_thread(_with_iproute, target, _loopback_up)
 
 
-async def interfaces(path: str) -> list[Interface]:
-    """All links of the network namespace at `path`, with their addresses."""
-    return await asyncio.to_thread(_with_iproute, path, _list_interfaces)
+async def interfaces(target: Pinned | str) -> list[Interface]:
+    """All links of the network namespace `target`, with their addresses."""
+    return await asyncio.to_thread(_with_iproute, target, _list_interfaces)

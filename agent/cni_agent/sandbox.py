@@ -15,7 +15,7 @@ import hashlib
 import json
 import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,12 +31,13 @@ from cni_agent.cni.config import NetworkConfigList
 from cni_agent.cni.errors import CNIError, InvalidArgument, NoCachedResult
 from cni_agent.errors import AgentError, ErrorKind, classify
 from cni_agent.gc import Reaper
-from cni_agent.journal import Journal
+from cni_agent.journal import Journal, is_recorded
 from cni_agent.locks import SandboxLocks
 from cni_agent.logctx import log_fields
 from cni_agent.monitor import Monitor
-from cni_agent.netns import NetnsError, NetnsId, bring_up_loopback, check_netns
+from cni_agent.netns import NetnsError, NetnsId, Pinned, bring_up_loopback
 from cni_agent.order import Kind, Sequencer, Ticket
+from cni_agent.pathwork import UNANSWERED
 from cni_agent.podcidrs import PodCIDRs
 from cni_agent.records import Attachment, Phase, SandboxRecord
 
@@ -180,10 +181,9 @@ class SandboxManager:
 
     # --- Setup --------------------------------------------------------------------
 
-    def validate(self, req: SetupRequest) -> NetnsId:
-        """Everything that can be checked before waiting or locking."""
+    def validate(self, req: SetupRequest) -> None:
+        """Everything but the netns that can be checked before waiting or locking."""
         validate_container_id(req.sandbox_id)
-        identity = check_netns(req.netns)
         if len(req.networks) > MAX_NETWORKS:
             raise InvalidArgument("networks", f"more than {MAX_NETWORKS} networks")
         seen: set[str] = set()
@@ -197,7 +197,6 @@ class SandboxManager:
         build_cni_args(req.args, req.pod, req.sandbox_id)
         if not isinstance(req.capabilities, Mapping):
             raise InvalidArgument("capabilities", "must be a JSON object")
-        return identity
 
     async def setup(self, req: SetupRequest) -> dict[str, Any]:
         with log_fields(SANDBOX_ID=req.sandbox_id):
@@ -211,7 +210,12 @@ class SandboxManager:
 
     async def _setup(self, req: SetupRequest) -> dict[str, Any]:
         self._gate()
-        identity = self.validate(req)
+        self.validate(req)
+        # Opened once, here, and only used through this handle from now on.
+        async with self.journal.paths.pinned(req.netns) as ns:
+            return await self._setup_in(req, ns)
+
+    async def _setup_in(self, req: SetupRequest, ns: Pinned) -> dict[str, Any]:
         with self.order.arrive(req.sandbox_id, Kind.ADD) as ticket:
             await self._wait_ready(ticket)
             requests = req.networks or (NetworkRequest(),)
@@ -227,7 +231,7 @@ class SandboxManager:
                 async with self._locked(ticket):
                     rec, entries = await self.journal.view(req.sandbox_id)
                     if rec is not None:
-                        settled = await self._settle(rec, req.netns, identity)
+                        settled = await self._settle(rec, entries, req.netns, ns.identity)
                         if settled is not rec:
                             rec, entries = await self.journal.view(req.sandbox_id)
                     if rec is not None:
@@ -236,13 +240,18 @@ class SandboxManager:
                         raise AgentError(ErrorKind.INVALID_ARGUMENT,
                                          f"sandbox {req.sandbox_id} has cached attachments from another "
                                          "tool or an older run; tear it down first")
-                    return await self._add_all(SandboxRecord(req.sandbox_id, req.netns, identity, (),
-                                                             digest), new, nets)
+                    return await self._add_all(SandboxRecord(req.sandbox_id, req.netns, ns.identity,
+                                                             (), digest), new, nets, ns)
 
-    async def _settle(self, rec: SandboxRecord, netns: str, identity: NetnsId) -> SandboxRecord | None:
+    async def _settle(self, rec: SandboxRecord, entries: Mapping[tuple[str, str], CachedAttachment],
+                      netns: str, identity: NetnsId) -> SandboxRecord | None:
         """Before a Setup: undo what an earlier run left unfinished, and reap the
         sandbox if its namespace died (the id is being reused). What is left is live."""
-        live = await self.journal.live_netns(rec)
+        async with self.journal.live_netns(rec, entries) as live:
+            return await self._settle_in(rec, live, netns, identity)
+
+    async def _settle_in(self, rec: SandboxRecord, live: Pinned | None, netns: str,
+                         identity: NetnsId) -> SandboxRecord | None:
         unfinished = [a.ifname for a in rec.attachments if a.phase is not Phase.READY]
         if not live:
             unfinished = [a.ifname for a in rec.attachments]
@@ -271,24 +280,24 @@ class SandboxManager:
         return self._document(rec, entries)
 
     async def _add_all(self, rec: SandboxRecord, new: Sequence[Attachment],
-                       nets: Sequence[NetworkConfigList]) -> dict[str, Any]:
+                       nets: Sequence[NetworkConfigList], ns: Pinned) -> dict[str, Any]:
         # Before the intent is written: nothing to undo if this fails.
         try:
-            await bring_up_loopback(rec.netns)
+            await bring_up_loopback(ns)
         except NetnsError as e:
             raise AgentError(ErrorKind.PLUGIN_FAILED, f"cannot bring up lo: {e}") from e
         rec = await self.journal.begin_add(rec, new)
         done: list[CachedAttachment] = []
         for i, (net, att) in enumerate(zip(nets, new, strict=True)):
             try:
-                result = await self.journal.add(rec, att, net, rec.netns)
+                result = await self.journal.add(rec, att, net, ns)
             except CNIError as e:
                 log.warning("setup of %s failed on %s/%s, rolling back: %s",
                             rec.sandbox_id, net.name, att.ifname, e,
                             extra={"NETWORK": net.name, "IFNAME": att.ifname})
                 # DEL what was attempted, the failing one included (the spec requires it).
                 _, undo = await self.journal.remove(
-                    rec, [a.ifname for a in new[: i + 1]], rec.netns,
+                    rec, [a.ifname for a in new[: i + 1]], ns,
                     unstarted=[a.ifname for a in new[i + 1:]])
                 err = classify(e)
                 if undo:
@@ -315,22 +324,27 @@ class SandboxManager:
         if netns and ("\x00" in netns or len(netns) > 4096 or not netns.startswith("/")):
             raise InvalidArgument("netns", "must be empty or an absolute path")
         with self.order.arrive(sandbox_id, Kind.REMOVE) as ticket:
-            async with self._locked(ticket):
+            # The caller's path is checked and pinned now, before any wait, like
+            # Setup's; it is used only when no record says where the sandbox is.
+            given_cm = self.journal.paths.pinned_if_netns(netns) if netns else _none()
+            async with _unless_hung(given_cm) as given, self._locked(ticket):
                 rec, entries = await self.journal.view(sandbox_id)
                 if rec is None and not entries:
                     return  # nothing known: success, as DEL of nothing is
-                identity = None
-                if rec is None and netns:
-                    identity = await asyncio.to_thread(_identity_or_none, netns)
-                claimed = await self.journal.claim(sandbox_id, rec, entries, netns, identity)
-                with log_fields(**_single(claimed.attachments)):
-                    live = await self.journal.live_netns(claimed)
-                    _, errors = await self.journal.remove(claimed, None, live, entries)
-                    if errors:
-                        raise AgentError(ErrorKind.PLUGIN_FAILED,
-                                         f"teardown of {sandbox_id} incomplete, its cache entries "
-                                         "are kept: " + "; ".join(errors))
-                    log.info("sandbox %s torn down", sandbox_id)
+                # Where the DELs run: the recorded namespace if it still is the
+                # one; without a record (another tool's entries) the caller's;
+                # else none — an empty netns, which DEL must tolerate.
+                ns_cm = self.journal.live_netns(rec, entries) if rec else _none(given)
+                async with _unless_hung(ns_cm) as ns:
+                    claimed = await self.journal.claim(sandbox_id, rec, entries, netns,
+                                                       ns.identity if ns else None)
+                    with log_fields(**_single(claimed.attachments)):
+                        _, errors = await self.journal.remove(claimed, None, ns, entries)
+                        if errors:
+                            raise AgentError(ErrorKind.PLUGIN_FAILED,
+                                             f"teardown of {sandbox_id} incomplete, its cache "
+                                             "entries are kept: " + "; ".join(errors))
+                        log.info("sandbox %s torn down", sandbox_id)
 
     # --- Check, Show, List ------------------------------------------------------------
 
@@ -344,21 +358,25 @@ class SandboxManager:
     async def _check(self, sandbox_id: str, netns: str) -> None:
         self._gate()
         validate_container_id(sandbox_id)
-        check_netns(netns)
+        async with self.journal.paths.pinned(netns) as ns:
+            await self._check_in(sandbox_id, ns)
+
+    async def _check_in(self, sandbox_id: str, ns: Pinned) -> None:
         with self.order.arrive(sandbox_id, Kind.OTHER) as ticket:
             async with self._locked(ticket):
                 rec, entries = await self.journal.view(sandbox_id)
                 if rec is None or rec.phase is not Phase.READY:
                     raise AgentError(ErrorKind.NOT_FOUND, f"sandbox {sandbox_id} is not set up")
-                if rec.netns != netns or await self.journal.live_netns(rec) != netns:
+                if rec.netns != ns.path or not await is_recorded(rec, entries, ns):
                     raise AgentError(ErrorKind.INVALID_ARGUMENT,
-                                     f"sandbox {sandbox_id} is set up in netns {rec.netns}, not {netns}")
+                                     f"sandbox {sandbox_id} is set up in netns {rec.netns}, "
+                                     f"not {ns.path}")
                 for a in rec.attachments:
                     entry = entries.get((a.network, a.ifname))
                     if entry is None:
                         raise NoCachedResult(f"sandbox {sandbox_id}: no cached result for "
                                              f"{a.network}/{a.ifname}")
-                    await self.journal.check(a, entry, netns)
+                    await self.journal.check(a, entry, ns)
 
     def _document(self, rec: SandboxRecord | None,
                   entries: Mapping[tuple[str, str], CachedAttachment]) -> dict[str, Any]:
@@ -407,8 +425,25 @@ def _single(new: Sequence[Attachment]) -> dict[str, str]:
     return {"NETWORK": new[0].network, "IFNAME": new[0].ifname} if len(new) == 1 else {}
 
 
-def _identity_or_none(path: str) -> NetnsId | None:
+@asynccontextmanager
+async def _none(ns: Pinned | None = None) -> AsyncIterator[Pinned | None]:
+    yield ns
+
+
+@asynccontextmanager
+async def _unless_hung(cm: AbstractAsyncContextManager[Pinned | None]
+                       ) -> AsyncIterator[Pinned | None]:
+    """`cm`'s namespace, or None when its path does not answer: a Teardown must
+    be able to finish (with an empty netns) even then."""
+    entered = False
     try:
-        return check_netns(path)
-    except InvalidArgument:
-        return None
+        async with cm as ns:
+            entered = True
+            yield ns
+    except UNANSWERED as e:
+        if entered:
+            raise
+        log.warning("tearing down with an empty netns: %s", e)
+    else:
+        return
+    yield None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 from collections.abc import Callable
@@ -11,7 +12,7 @@ import pytest
 
 from tests.support.agent import Agent
 from tests.support.net import addresses, allocations, delete_link
-from tests.support.plugins import Control, conflist, wait_for, write_conf
+from tests.support.plugins import Control, conflist, ns_key, seen_netns, wait_for, write_conf
 
 pytestmark = pytest.mark.root
 
@@ -20,8 +21,9 @@ def _netns_name(path: str) -> str:
     return Path(path).name
 
 
-def _dels(control: Control) -> dict[str, str]:
-    return {r["env"]["CNI_CONTAINERID"]: r["env"]["CNI_NETNS"]
+def _dels(control: Control) -> dict[str, list[int] | str]:
+    """Sandbox → the namespace its DEL ran in (`ns_key`), "" for an empty netns."""
+    return {r["env"]["CNI_CONTAINERID"]: seen_netns(r)
             for r in control.records() if r["command"] == "DEL"}
 
 
@@ -99,7 +101,7 @@ def test_kill_9_during_setup_is_rolled_back_on_restart(
     assert addresses(netns) == []
     assert agent.call("ListSandboxes")[0] == []
     assert list((tmp_path / "state" / "sandboxes").iterdir()) == []
-    assert _dels(control) == {"crash": netns}  # the namespace still exists: DEL cleans it
+    assert _dels(control) == {"crash": ns_key(netns)}  # the namespace still exists: DEL cleans it
 
 
 def test_fallback_network_serves_until_a_real_config_appears(
@@ -122,3 +124,28 @@ def test_fallback_network_serves_until_a_real_config_appears(
         assert allocations(tmp_path / "state" / "fallback-ipam", "cni-agent-fallback") == []
     finally:
         delete_link("cniagent0")
+
+
+def test_without_a_kernel_namespace_id_the_interface_and_mac_confirm_identity(
+    make_agent: Callable[..., Agent], bridge_chain: str, control: Control, netns: str,
+    tmp_path: Path,
+) -> None:
+    """(st_dev, st_ino) may be a recreated namespace's: on kernels without
+    NS_GET_ID (here: a record written without one) the attachment's eth0 and its
+    MAC must still be there, or the sandbox is dead and reaped."""
+    agent = make_agent()
+    agent.setup("pod", netns)
+    record = tmp_path / "state" / "sandboxes" / "pod.json"
+    doc = json.loads(record.read_text())
+    doc["netnsId"]["nsId"] = None
+    record.write_text(json.dumps(doc))
+    control.reset_records()
+    agent.call("GarbageCollect", "as", "1", "pod")
+    assert agent.call("ListSandboxes")[0] == ["pod"]  # eth0 with its MAC: the same namespace
+    assert _dels(control) == {}
+    subprocess.run(["ip", "-n", _netns_name(netns), "link", "set", "eth0", "address",
+                    "02:00:00:12:34:56"], check=True)
+    agent.call("GarbageCollect", "as", "1", "pod")
+    assert agent.call("ListSandboxes")[0] == []
+    assert _dels(control) == {"pod": ""}  # another namespace: DEL without it
+    assert allocations(tmp_path / "ipam", "pods") == []

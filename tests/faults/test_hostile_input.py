@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import subprocess
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -16,6 +19,7 @@ from hypothesis import strategies as st
 
 from tests.support.agent import Agent
 from tests.support.dbusclient import SyncClient
+from tests.support.plugins import Control, ns_key
 
 pytestmark = pytest.mark.root
 INVALID = "org.cniagent.Agent1.Error.InvalidArgument"
@@ -153,3 +157,52 @@ def test_wrong_signatures(hostile: tuple[SyncClient, str, Path], member: str, si
     client, _, _ = hostile
     err, text = client.call(member, signature, body)
     assert err == INVALID and f"{member} takes arguments" in text
+
+
+# --- indirection: symlinked, swapped and bind-mounted netns paths --------------------
+
+# The agent runs in the host's namespace, as this test does (pid 1's may be closed to us).
+HOST_NETNS = f"/proc/{os.getpid()}/ns/net"
+
+
+@SETTINGS
+@given(kind=st.sampled_from(["symlink", "bind", "swapped", "symlink-host", "bind-host",
+                             "symlink-mnt", "dangling", "loop"]),
+       depth=st.integers(1, 4))
+def test_netns_indirection(hostile: tuple[SyncClient, str, Path], control: Control,
+                           kind: str, depth: int) -> None:
+    """Links and bind mounts are followed once; what they name then is all that counts.
+    No plugin ever runs in the host's namespace."""
+    client, netns, _ = hostile
+    scratch = Path(tempfile.mkdtemp(prefix="cni-agent-hostile-"))
+    mounted: list[Path] = []
+    try:
+        target = {"symlink": netns, "swapped": netns, "bind": netns, "symlink-host": HOST_NETNS,
+                  "bind-host": "/proc/self/ns/net", "symlink-mnt": f"/proc/{os.getpid()}/ns/mnt",
+                  "dangling": str(scratch / "nothing"), "loop": str(scratch / "l0")}[kind]
+        if kind.startswith("bind"):
+            path = scratch / "bound"
+            path.touch()
+            subprocess.run(["mount", "--bind", target, str(path)], check=True)
+            mounted.append(path)
+        else:
+            path = scratch / f"l{depth}"
+            for i in range(depth, 0, -1):  # l_depth -> ... -> l1 -> target
+                (scratch / f"l{i}").symlink_to(scratch / f"l{i - 1}" if i > 1 else target)
+        err, body = client.call("Setup", "ssa{sv}", ["ind", str(path), {}])
+        if kind in ("symlink", "bind", "swapped"):
+            assert err is None, body
+            if kind == "swapped":  # the path now names the host's namespace
+                (scratch / "l1").unlink()
+                (scratch / "l1").symlink_to(HOST_NETNS)
+                err, body = client.call("Check", "ssa{sv}", ["ind", str(path), {}])
+                assert err == INVALID and "agent's own network namespace" in body, body
+            assert client.call("Teardown", "ssa{sv}", ["ind", "", {}])[0] is None
+        else:
+            assert err == INVALID and body.startswith("netns:"), (kind, err, body)
+        host = ns_key(HOST_NETNS)
+        assert all(r["netns_ino"] != host for r in control.records(None)), "ran in the host netns"
+    finally:
+        for m in mounted:
+            subprocess.run(["umount", str(m)], check=False)
+        shutil.rmtree(scratch, ignore_errors=True)

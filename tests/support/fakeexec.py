@@ -15,6 +15,7 @@ from typing import Any
 
 from cni_agent.cni.errors import PluginError, PluginNotFound
 from cni_agent.cni.exec import Invocation
+from cni_agent.netns import NetnsId, netns_identity
 
 ALL_VERSIONS = ["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"]
 
@@ -26,6 +27,9 @@ class Call:
     inv: Invocation
     stdin: dict[str, Any]
     done: bool = False
+    # The namespace CNI_NETNS named when the plugin ran (the agent passes a
+    # handle, /proc/<pid>/fd/N, which is closed afterwards); None: no netns.
+    target: NetnsId | None = None
 
     @property
     def container(self) -> str:
@@ -79,7 +83,8 @@ class FakeExecutor:
 
     async def execute(self, plugin: str, binary: str, inv: Invocation, stdin: bytes,
                       timeout: float) -> bytes:
-        call = Call(plugin, inv.command, inv, json.loads(stdin) if stdin else {})
+        call = Call(plugin, inv.command, inv, json.loads(stdin) if stdin else {},
+                    target=netns_identity(inv.netns) if inv.netns else None)
         self.calls.append(call)
         async with self._called:
             self._called.notify_all()

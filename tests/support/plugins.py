@@ -65,6 +65,17 @@ class Control:
         self.record.unlink(missing_ok=True)
 
 
+def ns_key(path: str) -> list[int]:
+    """What a test plugin record's `netns_ino` is for the namespace at `path`."""
+    st = os.stat(path)
+    return [st.st_dev, st.st_ino]
+
+
+def seen_netns(rec: dict[str, Any]) -> list[int] | str:
+    """The namespace a recorded plugin run was given: its `ns_key`, or "" for none."""
+    return rec["netns_ino"] if rec["env"]["CNI_NETNS"] else ""
+
+
 def conflist(name: str, plugins: list[dict[str, Any]], version: str = "1.1.0", **extra: Any) -> bytes:
     return json.dumps({"cniVersion": version, "name": name, "plugins": plugins, **extra}).encode()
 

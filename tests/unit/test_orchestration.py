@@ -8,7 +8,9 @@ wait for readiness, GC contention and the start-up gate. Namespaces are real
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import subprocess
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -19,7 +21,7 @@ import pytest
 from cni_agent.config import AgentConfig, GCConfig, MonitorConfig, TimeoutsConfig
 from cni_agent.core import Core, build_core
 from cni_agent.errors import AgentError, ErrorKind
-from cni_agent.netns import check_netns
+from cni_agent.netns import check_netns, netns_identity
 from cni_agent.records import Attachment, Phase, SandboxRecord
 from cni_agent.sandbox import NetworkRequest, SetupRequest
 from tests.support.fakeexec import FakeExecutor
@@ -182,14 +184,15 @@ async def test_an_id_reused_after_its_netns_died_is_reaped_and_set_up_again(
         node: Node, netns_factory: Callable[[], str]) -> None:
     await node.start()
     old = netns_factory()
+    old_id = netns_identity(old)
     await node.setup("s1", old)
     subprocess.run(["ip", "netns", "del", Path(old).name], check=True)
     new = netns_factory()
     doc = await node.setup("s1", new)
     assert doc["state"] == "ready"
     # The dead attachment got its DEL (empty netns: the path is no longer its), first.
-    assert [(c.verb, c.inv.netns) for c in node.fake.calls if c.verb in ("ADD", "DEL")] == [
-        ("ADD", old), ("DEL", ""), ("ADD", new)]
+    assert [(c.verb, c.target) for c in node.fake.calls if c.verb in ("ADD", "DEL")] == [
+        ("ADD", old_id), ("DEL", None), ("ADD", netns_identity(new))]
     rec = node.record("s1")
     assert rec is not None and rec.netns == new and rec.phase is Phase.READY
 
@@ -198,12 +201,13 @@ async def test_same_path_recreated_as_a_new_namespace_counts_as_dead(
         node: Node, netns_factory: Callable[[], str]) -> None:
     await node.start()
     ns = netns_factory()
+    first = netns_identity(ns)
     await node.setup("s1", ns)
     subprocess.run(["ip", "netns", "del", Path(ns).name], check=True)
     subprocess.run(["ip", "netns", "add", Path(ns).name], check=True)
     await node.setup("s1", ns)
-    assert [(c.verb, c.inv.netns) for c in node.fake.calls if c.verb in ("ADD", "DEL")] == [
-        ("ADD", ns), ("DEL", ""), ("ADD", ns)]
+    assert [(c.verb, c.target) for c in node.fake.calls if c.verb in ("ADD", "DEL")] == [
+        ("ADD", first), ("DEL", None), ("ADD", netns_identity(ns))]
 
 
 async def test_unfinished_record_is_undone_before_a_new_setup(
@@ -328,3 +332,49 @@ async def test_result_document_and_show_agree(node: Node, netns_factory: Callabl
     assert [a["network"] for a in doc["attachments"]] == ["n2", "n1"]
     assert await node.manager.show("s1") == doc
     assert json.loads(json.dumps(doc)) == doc
+
+
+def _open_fds_of(ns: str) -> int:
+    """How many of this process's fds name the namespace at `ns`."""
+    want = netns_identity(ns)
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            st = os.stat(f"/proc/self/fd/{fd}")
+            if want is not None and (st.st_dev, st.st_ino) == (want.dev, want.ino):
+                count += 1
+    return count
+
+
+async def test_the_pinned_netns_is_closed_when_the_request_ends_on_every_path(
+        node: Node, netns_factory: Callable[[], str]) -> None:
+    await node.start()
+    ns = netns_factory()
+    # While a plugin runs, the agent holds the namespace and passes it as its fd.
+    gate = node.fake.hold("fake", "ADD")
+    setup = asyncio.create_task(node.setup("s1", ns))
+    await node.fake.started("ADD")
+    assert _open_fds_of(ns) == 1
+    assert node.fake.of("ADD")[0].inv.netns.startswith(f"/proc/{os.getpid()}/fd/")
+    gate.set()
+    await setup
+    assert _open_fds_of(ns) == 0  # success
+    await node.manager.check("s1", ns)
+    await node.manager.teardown("s1", ns)
+    node.fake.fail("fake", "ADD", 7, "no")
+    assert await _kind(node.setup("s2", ns)) is ErrorKind.PLUGIN_FAILED
+    assert _open_fds_of(ns) == 0  # failure and rollback
+    node.fake.succeed("fake", "ADD")
+    gate = node.fake.hold("fake", "ADD")
+    setup = asyncio.create_task(node.setup("s3", ns))
+    await node.fake.started("ADD", 3)
+    assert _open_fds_of(ns) == 1
+    setup.cancel()
+    with contextlib.suppress(asyncio.CancelledError, AgentError):
+        await setup
+    gate.set()
+    assert _open_fds_of(ns) == 0  # cancellation
+    for path in ("/proc/self/ns/net", "/nonexistent"):
+        assert await _kind(node.setup("s4", path)) is ErrorKind.INVALID_ARGUMENT
+    assert await _kind(node.manager.check("s1", ns)) is ErrorKind.NOT_FOUND
+    assert _open_fds_of(ns) == 0

@@ -33,7 +33,7 @@ from cni_agent.cni.exec import (
 )
 from cni_agent.cni.result import convert_result, parse_result, version_at_least
 from cni_agent.logctx import log_fields
-from cni_agent.netns import is_netns
+from cni_agent.netns import is_netns, with_sandbox
 
 log = logging.getLogger(__name__)
 # Verbs whose failure is an expected answer, not an incident.
@@ -64,6 +64,9 @@ class RuntimeConf:
     ifname: str
     args: tuple[tuple[str, str], ...] = ()
     capability_args: Mapping[str, Any] = field(default_factory=dict)
+    # The caller's path when `netns` (CNI_NETNS) is the agent's pinned handle of
+    # it: the cache and the result keep the caller's. None: `netns` itself.
+    given_netns: str | None = None
 
     @classmethod
     def from_cache(cls, entry: CachedAttachment, netns: str | None = None) -> RuntimeConf:
@@ -174,11 +177,13 @@ class CNIRuntime:
             except CNIError as e:
                 raise PluginBadOutput(plugin.type, "ADD", f"invalid result: {e}") from None
         assert prev is not None
+        if rt.given_netns is not None:
+            prev = with_sandbox(prev, rt.given_netns)
         entry = CachedAttachment(
             container_id=rt.container_id,
             network=net.name,
             ifname=rt.ifname,
-            netns=rt.netns,
+            netns=rt.netns if rt.given_netns is None else rt.given_netns,
             config=net.bytes,
             cni_args=tuple(rt.args),
             capability_args=dict(rt.capability_args),

@@ -1,0 +1,178 @@
+"""File-system work on caller-supplied paths: off the event loop, bounded.
+
+A path on a hung mount (NFS, FUSE) blocks the thread that resolves it, in the
+kernel, for as long as the mount hangs; such a thread cannot be killed. So the
+work runs on a few dedicated daemon threads (daemon: a stuck one must not keep
+the agent from exiting), each wait is bounded by a timeout that names the
+path, and once every thread is stuck new work is refused at once instead of
+piling up: a hostile caller can tie up at most `threads` threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+from cni_agent.cni.errors import InvalidArgument
+from cni_agent.errors import AgentError, ErrorKind
+from cni_agent.netns import Pinned, pin
+
+log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+DEFAULT_THREADS = 4
+DEFAULT_TIMEOUT = 5.0
+
+
+class PathTimeout(InvalidArgument):
+    """A caller's path did not answer in time (a hung mount, most likely)."""
+
+    def __init__(self, field: str, path: str, seconds: float) -> None:
+        shown = repr(path if len(path) <= 80 else path[:77] + "...")
+        super().__init__(field, f"{shown} did not answer within {seconds:g}s "
+                                "(is it on a hung mount?)")
+        self.path = path
+
+
+class PathsBusy(AgentError):
+    """Every path thread is stuck in an earlier caller's hung path."""
+
+    def __init__(self, stuck: int) -> None:
+        super().__init__(ErrorKind.BUSY, f"{stuck} network namespace path(s) given earlier have "
+                                         "not answered yet; refusing more path lookups until "
+                                         "they do")
+
+
+# Either means: whether the path names a namespace is not known now.
+UNANSWERED = (PathTimeout, PathsBusy)
+
+
+class PathWorker:
+    def __init__(self, threads: int = DEFAULT_THREADS, timeout: float = DEFAULT_TIMEOUT) -> None:
+        self.threads = threads
+        self.timeout = timeout
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = (
+            queue.SimpleQueue())
+        self._lock = threading.Lock()  # the counters, shared with the threads
+        self._started = 0
+        self._idle = 0
+        self._stuck = 0  # jobs still running after their caller gave up on them
+        self._stopped = False
+
+    @property
+    def stuck(self) -> int:
+        with self._lock:
+            return self._stuck
+
+    def _submit(self, func: Callable[[], _T]) -> Future[_T]:
+        fut: Future[_T] = Future()
+        with self._lock:
+            if self._stopped:
+                raise AgentError(ErrorKind.SHUTTING_DOWN, "cni-agent is shutting down")
+            if self._stuck >= self.threads:
+                raise PathsBusy(self._stuck)
+            if self._idle == 0 and self._started < self.threads:
+                self._started += 1
+                threading.Thread(target=self._serve, name=f"cni-agent-paths-{self._started}",
+                                 daemon=True).start()
+        self._jobs.put((fut, func))
+        return fut
+
+    def _serve(self) -> None:
+        while True:
+            with self._lock:
+                self._idle += 1
+            item = self._jobs.get()
+            with self._lock:
+                self._idle -= 1
+            if item is None:
+                return
+            fut, func = item
+            if not fut.set_running_or_notify_cancel():
+                continue  # its caller gave up before it started
+            try:
+                fut.set_result(func())
+            except BaseException as e:
+                fut.set_exception(e)
+
+    async def run(self, func: Callable[[], _T], field: str, path: str,
+                  discard: Callable[[_T], None] | None = None) -> _T:
+        """func() on a path thread, within the timeout; `discard` frees a result
+        that arrives after the caller gave up (an open fd, say)."""
+        cfut = self._submit(func)
+        afut = asyncio.wrap_future(cfut)
+        try:
+            return await asyncio.wait_for(asyncio.shield(afut), self.timeout)
+        except TimeoutError:
+            self._abandon(cfut, afut, discard)
+            log.warning("%s %r did not answer within %gs", field, path[:200], self.timeout)
+            raise PathTimeout(field, path, self.timeout) from None
+        except asyncio.CancelledError:
+            self._abandon(cfut, afut, discard)
+            raise
+
+    def _abandon(self, cfut: Future[_T], afut: asyncio.Future[_T],
+                 discard: Callable[[_T], None] | None) -> None:
+        afut.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody reads it
+        if cfut.cancel():
+            return  # still queued: it never runs
+        with self._lock:
+            self._stuck += 1
+
+        def finished(f: Future[_T]) -> None:
+            with self._lock:
+                self._stuck -= 1
+            if discard is not None and not f.cancelled() and f.exception() is None:
+                discard(f.result())
+
+        cfut.add_done_callback(finished)
+
+    @asynccontextmanager
+    async def pinned(self, path: str, field: str = "netns") -> AsyncIterator[Pinned]:
+        """The netns at `path`, opened and verified once, closed when the block ends.
+
+        InvalidArgument(field) when it is none (or the agent's own), PathTimeout
+        when it does not answer, PathsBusy when the path threads are all stuck.
+        """
+        ns = await self.run(lambda: pin(path, field), field, path, discard=Pinned.close)
+        try:
+            yield ns
+        finally:
+            ns.close()
+
+    @asynccontextmanager
+    async def pinned_if_netns(self, path: str, field: str = "netns"
+                              ) -> AsyncIterator[Pinned | None]:
+        """As `pinned`, but None where `pinned` refuses the path; a path that
+        does not answer still raises (whether it is a namespace is unknown)."""
+        ns = await self.run(lambda: _pin_or_none(path, field), field, path, discard=_close)
+        try:
+            yield ns
+        finally:
+            if ns is not None:
+                ns.close()
+
+    def stop(self) -> None:
+        """Let idle threads exit; stuck ones are daemons and die with the process."""
+        with self._lock:
+            self._stopped, n = True, self._started
+        for _ in range(n):
+            self._jobs.put(None)
+
+
+def _pin_or_none(path: str, field: str) -> Pinned | None:
+    try:
+        return pin(path, field)
+    except InvalidArgument:
+        return None
+
+
+def _close(ns: Pinned | None) -> None:
+    if ns is not None:
+        ns.close()

@@ -1,0 +1,112 @@
+"""The bounded off-loop worker for caller paths (issue 12, item 5), with a slow
+job standing in for a stat on a hung mount."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from cni_agent.errors import AgentError, ErrorKind
+from cni_agent.pathwork import PathsBusy, PathTimeout, PathWorker
+
+
+async def test_a_stuck_path_times_out_with_a_named_error_and_the_loop_keeps_running() -> None:
+    worker = PathWorker(threads=2, timeout=0.1)
+    release = threading.Event()
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0.01)
+
+    ticker = asyncio.create_task(tick())
+    with pytest.raises(PathTimeout) as e:
+        await worker.run(release.wait, "netns", "/hung/ns")
+    ticker.cancel()
+    assert e.value.field == "netns"
+    assert str(e.value) == "netns: '/hung/ns' did not answer within 0.1s (is it on a hung mount?)"
+    assert ticks >= 5  # the loop ran all along
+    assert worker.stuck == 1
+    release.set()
+    await asyncio.sleep(0.05)
+    assert worker.stuck == 0
+    assert await worker.run(lambda: 42, "netns", "/x") == 42
+    worker.stop()
+
+
+async def test_stuck_threads_are_bounded_and_later_calls_are_refused_at_once() -> None:
+    worker = PathWorker(threads=2, timeout=0.1)
+    release = threading.Event()
+    started: list[str] = []
+
+    def hang(name: str) -> None:
+        started.append(name)
+        release.wait()
+
+    results = await asyncio.gather(*(worker.run(lambda n=n: hang(n), "netns", n)  # type: ignore[misc]
+                                     for n in "abcd"), return_exceptions=True)
+    assert all(isinstance(r, PathTimeout) for r in results)
+    assert len(started) == 2  # the queued ones never ran
+    assert worker.stuck == 2
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    with pytest.raises(PathsBusy) as e:
+        await worker.run(lambda: 1, "netns", "/fine")
+    assert loop.time() - t0 < 0.05 and e.value.kind is ErrorKind.BUSY
+    assert threading.active_count() <= 2 + 1 + 4  # main, the 2 stuck, and little else
+    release.set()
+    await asyncio.sleep(0.05)
+    assert await worker.run(lambda: "ok", "netns", "/fine") == "ok"
+    assert len(started) == 2
+    worker.stop()
+
+
+async def test_a_result_that_comes_after_the_timeout_is_discarded() -> None:
+    worker = PathWorker(threads=1, timeout=0.05)
+    release = threading.Event()
+    freed: list[int] = []
+
+    def slow_open() -> int:
+        release.wait()
+        return 7
+
+    with pytest.raises(PathTimeout):
+        await worker.run(slow_open, "netns", "/slow", discard=freed.append)
+    release.set()
+    await asyncio.sleep(0.05)
+    assert freed == [7]  # e.g. an fd: closed, not leaked
+    worker.stop()
+
+
+async def test_cancellation_frees_a_late_result_too() -> None:
+    worker = PathWorker(threads=1, timeout=5)
+    release = threading.Event()
+    freed: list[int] = []
+    task = asyncio.create_task(worker.run(lambda: release.wait() and 9, "netns", "/x",
+                                          discard=freed.append))
+    await asyncio.sleep(0.02)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    release.set()
+    await asyncio.sleep(0.05)
+    assert freed == [9]
+    worker.stop()
+
+
+async def test_errors_of_the_job_pass_through_and_stop_refuses_new_work() -> None:
+    worker = PathWorker(threads=1, timeout=1)
+
+    def boom() -> None:
+        raise ValueError("bad path")
+
+    with pytest.raises(ValueError, match="bad path"):
+        await worker.run(boom, "netns", "/x")
+    worker.stop()
+    with pytest.raises(AgentError) as e:
+        await worker.run(lambda: 1, "netns", "/x")
+    assert e.value.kind is ErrorKind.SHUTTING_DOWN
