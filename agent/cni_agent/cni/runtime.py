@@ -85,20 +85,22 @@ def plugin_stdin(
 ) -> bytes:
     """The JSON a plugin reads: its own config with the list's name/version injected.
 
-    STATUS and GC pass neither a prevResult nor capabilities, GC adds `extra`.
+    A static `runtimeConfig` in the config is kept, as libcni does; the caller's
+    capability args that the plugin declares are merged in over it. STATUS and
+    GC pass neither a prevResult nor capabilities, GC adds `extra`.
     """
     conf = dict(plugin.raw)
     conf["name"] = net.name
     conf["cniVersion"] = net.cni_version
-    conf.pop("runtimeConfig", None)
     conf.pop("prevResult", None)
     if prev_result is not None:
         conf["prevResult"] = dict(prev_result)
-    runtime = {
+    injected = {
         k: v for k, v in (capability_args or {}).items() if k in plugin.capabilities
     }
-    if runtime:
-        conf["runtimeConfig"] = runtime
+    if injected:
+        static = conf.get("runtimeConfig")
+        conf["runtimeConfig"] = {**(static if isinstance(static, dict) else {}), **injected}
     conf.update(extra or {})
     return json.dumps(conf).encode()
 
