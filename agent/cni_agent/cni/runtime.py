@@ -170,6 +170,11 @@ class CNIRuntime:
                 net, plugin, inv, plugin_stdin(net, plugin, prev, rt.capability_args),
                 self.timeouts.add,
             )
+            if not out.strip():
+                # libcni fails here too: an empty result would replace the
+                # prevResult chain and be cached as an attachment without IPs.
+                raise PluginBadOutput(plugin.type, "ADD", "exited 0 but printed no result "
+                                      "(a successful ADD must print one)")
             data = decode_json(plugin.type, "ADD", out)
             try:
                 prev = convert_result(parse_result(data, net.cni_version), net.cni_version)
