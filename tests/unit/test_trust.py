@@ -122,3 +122,25 @@ def test_an_agent_that_is_not_root_trusts_everything(
 
 def _mode(path: Path) -> str:
     return stat.filemode(os.stat(path).st_mode)
+
+
+def test_a_dir_holding_a_file_others_can_replace_is_left_out(tmp_path: Path) -> None:
+    # A plugin may exec any file of a CNI_PATH dir (bridge its IPAM plugin).
+    d = tmp_path / "bin"
+    install_plugin(d, "bridge")
+    ipam = install_plugin(d, "host-local")
+    os.chmod(ipam, 0o775)
+    assert check_plugin_dirs([str(d)]).untrusted == (
+        (str(d), f"{ipam} is writable by non-root users (mode -rwxrwxr-x)"),)
+    os.chmod(ipam, 0o755)
+    os.chown(ipam, NOBODY, NOBODY)
+    assert check_plugin_dirs([str(d)]).untrusted == (
+        (str(d), f"{ipam} is owned by uid {NOBODY}, not root"),)
+    ipam.unlink()
+    elsewhere = _dir(tmp_path / "ww", 0o777)
+    (d / "host-local").symlink_to(elsewhere / "host-local")
+    (d / "dangling").symlink_to(tmp_path / "nothing")
+    assert check_plugin_dirs([str(d)]).trusted == (str(d),)  # both dangle: nothing to run
+    install_plugin(tmp_path / "stage", "host-local").rename(elsewhere / "host-local")
+    assert check_plugin_dirs([str(d)]).untrusted == (
+        (str(d), f"{elsewhere} is writable by non-root users (mode drwxrwxrwx)"),)

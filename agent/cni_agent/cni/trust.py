@@ -8,7 +8,8 @@ root and not writable by group or others. A directory above it may be
 world-writable only with the sticky bit (`/tmp`): then nobody but root can
 rename or replace the root-owned entry in it. An agent that is not root (the
 unit tests) trusts everything, as it cannot be tricked into more than its own
-rights.
+rights. A directory holding a file or symlink that fails the check is left
+out of CNI_PATH as a whole: a plugin could run that file.
 """
 
 from __future__ import annotations
@@ -65,14 +66,44 @@ def untrusted_reason(path: str) -> str | None:
     walked = _walk(path)
     last = len(walked) - 1
     for i, (entry, st) in enumerate(walked):
-        if st.st_uid != 0:
-            what = "symlink" if stat.S_ISLNK(st.st_mode) else ""
-            return f"{entry}{' (a ' + what + ')' if what else ''} is owned by uid {st.st_uid}, not root"
-        if stat.S_ISLNK(st.st_mode) or not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            continue
-        if i < last and stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX:
-            continue  # sticky (/tmp): others cannot replace our root-owned entry in it
-        return f"{entry} is writable by non-root users (mode {stat.filemode(st.st_mode)})"
+        reason = _entry_reason(entry, st, sticky_ok=i < last)
+        if reason:
+            return reason
+    return None
+
+
+def _entry_reason(entry: str, st: os.stat_result, sticky_ok: bool = False) -> str | None:
+    if st.st_uid != 0:
+        what = " (a symlink)" if stat.S_ISLNK(st.st_mode) else ""
+        return f"{entry}{what} is owned by uid {st.st_uid}, not root"
+    if stat.S_ISLNK(st.st_mode) or not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return None
+    if sticky_ok and stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX:
+        return None  # sticky (/tmp): others cannot replace our root-owned entry in it
+    return f"{entry} is writable by non-root users (mode {stat.filemode(st.st_mode)})"
+
+
+def _unsafe_content(directory: str) -> str | None:
+    """Why a dir must stay out of CNI_PATH for what it holds, or None.
+
+    Plugins exec whatever their config names from CNI_PATH (bridge its IPAM
+    plugin), out of the agent's sight: so every file in a trusted dir, and
+    every symlink's target, must be as safe as the binaries the agent runs.
+    """
+    with os.scandir(directory) as entries:
+        for e in entries:
+            st = e.stat(follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode):
+                try:
+                    reason = untrusted_reason(e.path)
+                except OSError:
+                    continue  # dangling: nothing to run
+            elif stat.S_ISREG(st.st_mode):
+                reason = _entry_reason(e.path, st)
+            else:
+                continue
+            if reason:
+                return reason
     return None
 
 
@@ -90,7 +121,7 @@ class PluginPath:
 
 
 def check_plugin_dirs(dirs: Sequence[str]) -> PluginPath:
-    """Sort `dirs` (blocking: a few lstat calls per dir)."""
+    """Sort `dirs` (blocking: an lstat per path component and per entry)."""
     trusted: list[str] = []
     untrusted: list[tuple[str, str]] = []
     missing: list[str] = []
@@ -99,6 +130,8 @@ def check_plugin_dirs(dirs: Sequence[str]) -> PluginPath:
             reason = untrusted_reason(d)
             if reason is None and not os.path.isdir(d):
                 reason = f"{d} is not a directory"
+            if reason is None and os.geteuid() == 0:
+                reason = _unsafe_content(d)
         except FileNotFoundError:
             missing.append(d)
             continue
