@@ -53,6 +53,7 @@ class _Evaluation:
     error: str  # why the default cannot serve ADD; "" when it can
     status_failure: bool  # the error came from STATUS (grace period applies)
     others: tuple[tuple[str, str], ...]
+    refused_dirs: tuple[tuple[str, str], ...] = ()  # plugin dirs left out of CNI_PATH, and why
 
 
 class Monitor:
@@ -233,6 +234,8 @@ class Monitor:
                     await self._wake.wait()
 
     async def _evaluate(self) -> _Evaluation:
+        # Plugin dirs first: validation and STATUS below look only in trusted ones.
+        refused = (await asyncio.to_thread(self.runtime.refresh_plugin_path)).untrusted
         loaded = await asyncio.to_thread(load_dir, self.conf_dir)
         valid: list[NetworkConfigList] = []
         invalid = list(loaded.invalid)
@@ -257,7 +260,8 @@ class Monitor:
                 error, status_failure = f"network {net.name}: {failure}", True
             else:
                 others.append((net.name, str(failure)))
-        return _Evaluation(tuple(valid), tuple(invalid), default, error, status_failure, tuple(others))
+        return _Evaluation(tuple(valid), tuple(invalid), default, error, status_failure,
+                           tuple(others), refused)
 
     async def _status(self, net: NetworkConfigList) -> CNIError | None:
         try:
@@ -315,8 +319,11 @@ class Monitor:
                 found.others,
             )
         else:
+            # A refused plugin dir may be why (the error then names it already).
+            error = "; ".join([found.error, *(_refused_note(d, why) for d, why in found.refused_dirs
+                                              if why not in found.error)])
             state = NetworkState(
-                False, f"Network not ready: {found.error}", default, names, found.error,
+                False, f"Network not ready: {error}", default, names, error,
                 found.invalid, found.others,
             )
         self._set_health(healthy, state)
@@ -379,8 +386,13 @@ def _ready_text(default: str, names: tuple[str, ...], found: _Evaluation) -> str
     count = f"{len(names)} network{'s' if len(names) != 1 else ''}"
     text = f"Network ready: default network {default} ({count})"
     notes = [f"network {name}: {err}" for name, err in found.others]
+    notes.extend(_refused_note(d, why) for d, why in found.refused_dirs)
     if found.invalid:
         first = found.invalid[0]
         more = f" and {len(found.invalid) - 1} more" if len(found.invalid) > 1 else ""
         notes.append(f"invalid config {first.source}: {first.reason}{more}")
     return text + ("; " + "; ".join(notes) if notes else "")
+
+
+def _refused_note(directory: str, why: str) -> str:
+    return f"plugin directory {directory} not used: {why}"

@@ -42,6 +42,7 @@ class Reply:
 
     code: int = 0
     msg: str = ""
+    output: bytes | None = None  # printed instead of the usual answer (exit 0)
 
 
 @dataclass
@@ -60,6 +61,10 @@ class FakeExecutor:
 
     def fail(self, plugin: str, verb: str, code: int = 999, msg: str = "scripted failure") -> None:
         self.replies[(plugin, verb)] = Reply(code, msg)
+
+    def prints(self, plugin: str, verb: str, output: bytes) -> None:
+        """`verb` of `plugin` succeeds printing exactly `output`."""
+        self.replies[(plugin, verb)] = Reply(output=output)
 
     def succeed(self, plugin: str, verb: str) -> None:
         self.replies.pop((plugin, verb), None)
@@ -96,6 +101,8 @@ class FakeExecutor:
             reply = self.replies.get((plugin, inv.command))
             if reply is not None and reply.code:
                 raise PluginError(plugin, inv.command, reply.code, reply.msg)
+            if reply is not None and reply.output is not None:
+                return reply.output
             return self._output(call)
         finally:
             call.done = True

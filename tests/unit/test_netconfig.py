@@ -98,3 +98,21 @@ def test_invalid_files_are_kept_with_reasons_not_raised(tmp_path: Path) -> None:
     assert [n.name for n in loaded.networks] == ["ok"]
     assert loaded.invalid[0].source.endswith("00-broken.conflist")
     assert "not valid JSON" in loaded.invalid[0].reason
+
+
+@pytest.mark.parametrize(
+    ("version", "versions", "picked"),
+    [
+        ("1.0.0", ["0.3.1", "0.4.0"], "1.0.0"),  # cniVersion is a candidate too (libcni)
+        ("0.4.0", ["1.0.0"], "1.0.0"),
+        ("9.9.9", ["0.4.0"], "0.4.0"),  # above what we implement: ignored, as libcni
+        (None, ["0.4.0", "1.0.0"], "1.0.0"),
+    ],
+)
+def test_cni_versions_and_cni_version_are_picked_from_together(
+    version: str | None, versions: list[str], picked: str
+) -> None:
+    doc: dict[str, object] = {"cniVersions": versions, "name": "n", "plugins": [{"type": "x"}]}
+    if version is not None:
+        doc["cniVersion"] = version
+    assert parse_list(json.dumps(doc).encode()).cni_version == picked

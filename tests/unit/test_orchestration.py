@@ -169,6 +169,20 @@ async def test_failed_setup_rolls_back_everything_attempted(
     assert node.record("s1") is None and node.cached() == []
 
 
+@pytest.mark.parametrize("output", [b"", b" \n"])
+async def test_add_that_prints_nothing_fails_and_rolls_back(
+        node: Node, netns_factory: Callable[[], str], output: bytes) -> None:
+    node.network("n2", "fake", "fake2")
+    await node.start()
+    node.fake.prints("fake2", "ADD", output)
+    with pytest.raises(AgentError) as e:
+        await node.setup("s1", netns_factory(), ("n2", "eth0"))
+    assert e.value.kind is ErrorKind.PLUGIN_FAILED
+    assert "plugin fake2 ADD: exited 0 but printed no result" in e.value.message
+    assert [c.plugin for c in node.fake.of("DEL")] == ["fake2", "fake"]
+    assert node.record("s1") is None and node.cached() == []
+
+
 async def test_identical_repeat_returns_the_result_and_a_different_one_is_refused(
         node: Node, netns_factory: Callable[[], str]) -> None:
     await node.start()

@@ -73,16 +73,19 @@ def _bool_field(source: str, obj: Mapping[str, Any], key: str) -> bool:
 
 
 def _pick_version(source: str, obj: Mapping[str, Any]) -> str:
+    """The list's version: as libcni, the highest supported one of `cniVersions`
+    and `cniVersion` together (a list may name its newest version in either)."""
     versions = obj.get("cniVersions")
+    version = obj.get("cniVersion")
     if versions is not None:
         if not isinstance(versions, list) or not all(isinstance(v, str) for v in versions):
             raise ConfigError(source, '"cniVersions" must be a list of version strings')
-        usable: list[str] = [v for v in versions if v in SUPPORTED_VERSIONS]
+        candidates = [*versions, *([version] if isinstance(version, str) else [])]
+        usable: list[str] = [v for v in candidates if v in SUPPORTED_VERSIONS]
         if usable:
             return max(usable, key=version_key)
         if "cniVersion" not in obj:
             raise ConfigError(source, f'no supported version in "cniVersions" {versions}')
-    version = obj.get("cniVersion")
     if not isinstance(version, str) or not version:
         raise ConfigError(source, '"cniVersion" is missing')
     if version not in SUPPORTED_VERSIONS:

@@ -28,6 +28,7 @@ from cni_agent.cni.errors import (
     PluginTimeout,
     PluginUnsafe,
 )
+from cni_agent.cni.trust import untrusted_reason
 
 # The agent's own systemd plumbing must not leak into plugins: a plugin that
 # inherited NOTIFY_SOCKET could speak to systemd on our behalf.
@@ -70,22 +71,12 @@ class Executor(Protocol):
     ) -> bytes: ...
 
 
-def _unsafe_reason(path: str, st: os.stat_result) -> str | None:
-    """Why a root agent must not trust this file or directory, or None."""
-    if os.geteuid() != 0:
-        return None
-    if st.st_uid not in (0, os.geteuid()):
-        return f"{path} is owned by uid {st.st_uid}, not root"
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return f"{path} is writable by non-root users (mode {stat.filemode(st.st_mode)})"
-    return None
-
-
 def find_plugin(plugin: str, dirs: Iterable[str], verb: str = "lookup") -> str:
     """The binary for a plugin type: `<dir>/<type>` in the first dir holding it.
 
-    Refuses binaries (and directories) that a non-root user could replace,
-    because the agent runs them as root.
+    Refuses a binary that a non-root user could replace (it, or any directory
+    on the way to it: `trust.untrusted_reason`), because the agent runs it as
+    root. Checked on every lookup: a few lstat calls, against a fork and exec.
     """
     if not plugin or "/" in plugin or plugin in (".", ".."):
         raise PluginNotFound(plugin, verb, f"invalid plugin type {plugin!r}")
@@ -100,10 +91,9 @@ def find_plugin(plugin: str, dirs: Iterable[str], verb: str = "lookup") -> str:
         if not stat.S_ISREG(st.st_mode):
             continue
         try:
-            dst = os.stat(d)
+            reason = untrusted_reason(path)
         except OSError:
-            continue
-        reason = _unsafe_reason(d, dst) or _unsafe_reason(path, st)
+            continue  # vanished meanwhile
         if reason:
             raise PluginUnsafe(plugin, verb, f"refusing to run {path}: {reason}")
         return path

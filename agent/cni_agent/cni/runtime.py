@@ -24,6 +24,8 @@ from cni_agent.cni.errors import (
     NoCachedResult,
     PluginBadOutput,
     PluginError,
+    PluginNotFound,
+    PluginUnsafe,
 )
 from cni_agent.cni.exec import (
     Executor,
@@ -32,6 +34,7 @@ from cni_agent.cni.exec import (
     decode_json,
 )
 from cni_agent.cni.result import convert_result, parse_result, version_at_least
+from cni_agent.cni.trust import PluginPath, check_plugin_dirs
 from cni_agent.logctx import log_fields
 from cni_agent.netns import is_netns, with_sandbox
 
@@ -88,20 +91,22 @@ def plugin_stdin(
 ) -> bytes:
     """The JSON a plugin reads: its own config with the list's name/version injected.
 
-    STATUS and GC pass neither a prevResult nor capabilities, GC adds `extra`.
+    A static `runtimeConfig` in the config is kept, as libcni does; the caller's
+    capability args that the plugin declares are merged in over it. STATUS and
+    GC pass neither a prevResult nor capabilities, GC adds `extra`.
     """
     conf = dict(plugin.raw)
     conf["name"] = net.name
     conf["cniVersion"] = net.cni_version
-    conf.pop("runtimeConfig", None)
     conf.pop("prevResult", None)
     if prev_result is not None:
         conf["prevResult"] = dict(prev_result)
-    runtime = {
+    injected = {
         k: v for k, v in (capability_args or {}).items() if k in plugin.capabilities
     }
-    if runtime:
-        conf["runtimeConfig"] = runtime
+    if injected:
+        static = conf.get("runtimeConfig")
+        conf["runtimeConfig"] = {**(static if isinstance(static, dict) else {}), **injected}
     conf.update(extra or {})
     return json.dumps(conf).encode()
 
@@ -115,19 +120,48 @@ class CNIRuntime:
         executor: Executor | None = None,
         timeouts: Timeouts | None = None,
     ) -> None:
-        self.plugin_dirs = tuple(plugin_dirs)
+        self.plugin_dirs = tuple(plugin_dirs)  # as configured (and watched)
         self.cache = ResultCache(state_dir)
         self.executor: Executor = executor or ProcessExecutor()
         self.timeouts = timeouts or Timeouts()
         # VERSION answers keyed by the binary's identity, so rescans are cheap.
         self._versions: dict[tuple[str, int, int, int, int], tuple[str, ...]] = {}
+        self.plugin_path = PluginPath()
+        self.refresh_plugin_path()
+
+    def refresh_plugin_path(self) -> PluginPath:
+        """Re-check the plugin dirs (blocking, cheap); logs what changed.
+
+        Only trusted dirs are searched and go into CNI_PATH: a delegating
+        plugin (bridge → host-local) looks there, out of the agent's sight.
+        """
+        new = check_plugin_dirs(self.plugin_dirs)
+        old, self.plugin_path = self.plugin_path, new
+        was = dict(old.untrusted)
+        for d, why in new.untrusted:
+            if was.get(d) != why:
+                log.warning("plugin directory %s left out of CNI_PATH: %s", d, why)
+        for d in new.trusted:
+            if d in was:
+                log.info("plugin directory %s is trusted again", d)
+        return new
 
     @property
     def cni_path(self) -> str:
-        return ":".join(self.plugin_dirs)
+        return self.plugin_path.cni_path
 
     def find(self, plugin: str, verb: str = "lookup") -> str:
-        return self.executor.find(plugin, self.plugin_dirs, verb)
+        path = self.plugin_path
+        try:
+            return self.executor.find(plugin, path.trusted, verb)
+        except PluginNotFound:
+            # Say so when the binary is there, but only in a dir we refuse.
+            if "/" not in plugin and plugin not in ("", ".", ".."):
+                for d, why in path.untrusted:
+                    if os.path.isfile(os.path.join(d, plugin)):
+                        raise PluginUnsafe(plugin, verb, f"refusing to run {os.path.join(d, plugin)}: "
+                                           f"{why}") from None
+            raise
 
     async def _run(
         self, net: NetworkConfigList, plugin: PluginConf, inv: Invocation, stdin: bytes,
@@ -171,6 +205,11 @@ class CNIRuntime:
                 net, plugin, inv, plugin_stdin(net, plugin, prev, rt.capability_args),
                 self.timeouts.add,
             )
+            if not out.strip():
+                # libcni fails here too: an empty result would replace the
+                # prevResult chain and be cached as an attachment without IPs.
+                raise PluginBadOutput(plugin.type, "ADD", "exited 0 but printed no result "
+                                      "(a successful ADD must print one)")
             data = decode_json(plugin.type, "ADD", out)
             try:
                 prev = convert_result(parse_result(data, net.cni_version), net.cni_version)
