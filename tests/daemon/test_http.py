@@ -153,3 +153,16 @@ def test_tcp_listen_and_a_taken_port(make_agent: Callable[..., Agent],
     out = subprocess.run(["curl", "-s", f"http://127.0.0.1:{port}/healthz"], capture_output=True,
                          text=True, check=True)
     assert out.stdout == "ok\n"
+
+
+def test_reaping_is_counted(http_agent: tuple[Agent, Path], netns: str) -> None:
+    agent, sock = http_agent
+    agent.setup("r1", netns)
+    deleted = ("cni_agent_gc_attachments_total", (("how", "deleted"),))
+    before = samples(sock)
+    assert before[("cni_agent_sandboxes", ())] == 1
+    agent.call("GarbageCollect", "as", "0")  # r1 is not among the valid: stale
+    after = samples(sock)
+    assert after[deleted] == before[deleted] + 1
+    assert after[("cni_agent_sandboxes", ())] == 0
+    assert agent.call("ListSandboxes") == [[]]
