@@ -40,7 +40,6 @@ class Core:
     pod_cidrs: PodCIDRs
     manager: SandboxManager
     metrics: Metrics
-    store: SandboxStore
 
     async def stop(self) -> None:
         await self.monitor.stop()
@@ -74,9 +73,8 @@ def build_core(cfg: AgentConfig, executor: Executor | None = None) -> Core:
     )
     monitor.subscribe(metrics.on_state)
     netlocks = NetworkLocks()
-    store = SandboxStore(cfg.state_dir)
-    journal = Journal(runtime, store, netlocks, current=monitor.network, lock_timeout=t.lock,
-                      paths=PathWorker())
+    journal = Journal(runtime, SandboxStore(cfg.state_dir), netlocks,
+                      current=monitor.network, lock_timeout=t.lock, paths=PathWorker())
     locks = SandboxLocks(os.path.join(cfg.runtime_dir, "locks"), observe=metrics.locked)
     reaper = Reaper(journal, locks, netlocks, monitor.networks,
                     gc_verb=gc_verb_allowed(cfg.gc.networks), lock_timeout=t.lock,
@@ -85,4 +83,4 @@ def build_core(cfg: AgentConfig, executor: Executor | None = None) -> Core:
     pod_cidrs = PodCIDRs(cfg.state_dir, cfg.pod_cidrs)
     manager = SandboxManager(journal, monitor, locks, reaper, pod_cidrs,
                              SandboxTimeouts(lock=t.lock, ready=t.ready))
-    return Core(runtime, monitor, journal, locks, reaper, pod_cidrs, manager, metrics, store)
+    return Core(runtime, monitor, journal, locks, reaper, pod_cidrs, manager, metrics)

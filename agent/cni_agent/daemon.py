@@ -169,7 +169,7 @@ class Daemon:
         http: HealthServer | None = None
         if self.cfg.http.listen:
             http = HealthServer(self.cfg.http.listen, self.monitor, self.core.metrics,
-                                self.core.store, lambda: bus.connected)
+                                self.core.journal.store, lambda: bus.connected)
             try:
                 await http.start()
             except ListenError as e:

@@ -152,8 +152,11 @@ class Reaper:
                 elif rec is not None:
                     if rec.phase is not Phase.READY or not await self._alive(rec, entries):
                         out.append(sid)
-                elif not all([await self._present(e) for e in entries.values()]):
-                    out.append(sid)
+                else:
+                    for e in entries.values():
+                        if not await self._present(e):
+                            out.append(sid)
+                            break
             except UNANSWERED as e:
                 report.errors.append(f"sandbox {sid}: not looked at: {e}")  # next GC retries
         return out

@@ -133,6 +133,3 @@ class _MeteredExecutor:
         finally:
             self._m.plugin_seconds.labels(plugin, inv.command).observe(self._clock() - start)
             self._m.plugin_runs.labels(plugin, inv.command, plugin_result(error)).inc()
-
-    def __getattr__(self, name: str) -> object:  # anything else the runtime asks of it
-        return getattr(self._inner, name)

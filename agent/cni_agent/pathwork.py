@@ -16,7 +16,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, TypeVar
 
 from cni_agent.cni.errors import InvalidArgument
@@ -25,6 +25,7 @@ from cni_agent.netns import Pinned, pin
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
+_P = TypeVar("_P", Pinned, "Pinned | None")
 
 DEFAULT_THREADS = 4
 DEFAULT_TIMEOUT = 5.0
@@ -133,30 +134,27 @@ class PathWorker:
 
         cfut.add_done_callback(finished)
 
-    @asynccontextmanager
-    async def pinned(self, path: str, field: str = "netns") -> AsyncIterator[Pinned]:
+    def pinned(self, path: str, field: str = "netns") -> AbstractAsyncContextManager[Pinned]:
         """The netns at `path`, opened and verified once, closed when the block ends.
 
         InvalidArgument(field) when it is none (or the agent's own), PathTimeout
         when it does not answer, PathsBusy when the path threads are all stuck.
         """
-        ns = await self.run(lambda: pin(path, field), field, path, discard=Pinned.close)
-        try:
-            yield ns
-        finally:
-            ns.close()
+        return self._held(lambda: pin(path, field), field, path)
 
-    @asynccontextmanager
-    async def pinned_if_netns(self, path: str, field: str = "netns"
-                              ) -> AsyncIterator[Pinned | None]:
+    def pinned_if_netns(self, path: str, field: str = "netns"
+                        ) -> AbstractAsyncContextManager[Pinned | None]:
         """As `pinned`, but None where `pinned` refuses the path; a path that
         does not answer still raises (whether it is a namespace is unknown)."""
-        ns = await self.run(lambda: _pin_or_none(path, field), field, path, discard=_close)
+        return self._held(lambda: _pin_or_none(path, field), field, path)
+
+    @asynccontextmanager
+    async def _held(self, open_: Callable[[], _P], field: str, path: str) -> AsyncIterator[_P]:
+        ns = await self.run(open_, field, path, discard=_close)
         try:
             yield ns
         finally:
-            if ns is not None:
-                ns.close()
+            _close(ns)
 
     def stop(self) -> None:
         """Let idle threads exit; stuck ones are daemons and die with the process."""

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.agent import NAME, Agent
+from tests.support.agent import Agent
 from tests.support.net import addresses, allocations, link_exists
 from tests.support.plugins import Control, ns_key, seen_netns
 
@@ -69,12 +69,6 @@ def _swap(link: Path, target: str) -> None:
     os.replace(tmp, link)
 
 
-def _call(agent: Agent, method: str, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        ["busctl", f"--address={agent.bus.address}", "call", NAME, "/org/cniagent/Agent1", NAME,
-         method, "ssa{sv}", *args, "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
 def _finish(proc: subprocess.Popen[str], agent: Agent) -> None:
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, (out, err, agent.log()[-3000:])
@@ -90,7 +84,7 @@ def test_setup_after_a_swap_runs_in_the_checked_namespace(
     link.symlink_to(a)
     untouched = _links(victim)
     with _holding(agent, "swap"):
-        setup = _call(agent, "Setup", "swap", str(link))
+        setup = agent.busctl_bg("Setup", "ssa{sv}", "swap", str(link), "0")
         pinned = _wait_pinned(agent, a)
         _swap(link, victim)
     _finish(setup, agent)
@@ -131,7 +125,7 @@ def test_teardown_without_record_after_a_swap_runs_in_the_checked_namespace(
     link.symlink_to(a)
     control.reset_records()
     with _holding(agent, "norec"):
-        teardown = _call(agent, "Teardown", "norec", str(link))
+        teardown = agent.busctl_bg("Teardown", "ssa{sv}", "norec", str(link), "0")
         pinned = _wait_pinned(agent, a)
         _swap(link, victim)
     _finish(teardown, agent)

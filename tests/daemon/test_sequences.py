@@ -30,13 +30,6 @@ pytestmark = pytest.mark.root
 ERR = "org.cniagent.Agent1.Error."
 
 
-def _busctl_call(agent: Agent, *args: str, timeout: float) -> subprocess.Popen[str]:
-    """busctl with its own D-Bus call timeout, as a runtime's client would give up."""
-    return subprocess.Popen(
-        ["busctl", f"--address={agent.bus.address}", f"--timeout={timeout}", "call",
-         NAME, PATH, IFACE, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
 def _veths(bridge: str) -> int:
     out = subprocess.run(["ip", "-j", "link", "show", "master", bridge], capture_output=True,
                          text=True)
@@ -49,7 +42,7 @@ def test_teardown_after_a_timed_out_setup_wins(
 ) -> None:
     # No network yet: a Setup waits for readiness (up to timeouts.ready)...
     agent = make_agent(timeouts={"ready": 30, "lock": 5})
-    setup = _busctl_call(agent, "Setup", "ssa{sv}", "late", netns, "0", timeout=1)
+    setup = agent.busctl_bg("Setup", "ssa{sv}", "late", netns, "0", timeout=1)
     _, err = setup.communicate(timeout=20)
     assert setup.returncode != 0 and "timed out" in err.lower(), err  # ...its caller gave up
     # ...and cleaned up, as runtimes do: the Teardown finds nothing and succeeds.
@@ -73,9 +66,9 @@ def test_another_sandboxs_setup_succeeds_while_a_gc_waits_behind_a_slow_add(
 ) -> None:
     agent = make_agent(timeouts={"lock": 1, "ready": 5, "add": 30})
     control.set("ADD", "succeed", sleep=3)  # every ADD of the chain's last plugin is slow
-    slow = _busctl_call(agent, "Setup", "ssa{sv}", "slow", netns_factory(), "0", timeout=30)
+    slow = agent.busctl_bg("Setup", "ssa{sv}", "slow", netns_factory(), "0", timeout=30)
     wait_for(lambda: "ADD" in control.commands())
-    gc = _busctl_call(agent, "GarbageCollect", "as", "2", "slow", "other", timeout=30)
+    gc = agent.busctl_bg("GarbageCollect", "as", "2", "slow", "other", timeout=30)
     time.sleep(0.3)  # the GC is pending behind the slow ADD
     # Far longer than timeouts.lock (1 s) behind the slow ADD: a node-wide GC lock
     # made this fail with Busy; now nobody waits for the GC.
@@ -117,7 +110,7 @@ def test_calls_at_start_up_wait_for_recovery(
     agent = make_agent()
     crashed, other = netns_factory(), netns_factory()
     control.set("ADD", "hang")  # bridge + host-local ran; the agent dies in the chain
-    hung = _busctl_call(agent, "Setup", "ssa{sv}", "crashed", crashed, "0", timeout=30)
+    hung = agent.busctl_bg("Setup", "ssa{sv}", "crashed", crashed, "0", timeout=30)
     wait_for(lambda: "ADD" in control.commands())
     assert agent.stop(signal.SIGKILL) == -signal.SIGKILL
     hung.wait(10)
@@ -154,7 +147,7 @@ def test_second_agent_on_the_same_state_dir_refuses_to_start(
 ) -> None:
     first = make_agent(timeouts={"add": 20, "lock": 5, "ready": 5})
     control.set("ADD", "hang")
-    inflight = _busctl_call(first, "Setup", "ssa{sv}", "inflight", netns, "0", timeout=30)
+    inflight = first.busctl_bg("Setup", "ssa{sv}", "inflight", netns, "0", timeout=30)
     wait_for(lambda: "ADD" in control.commands())
     plugin = next(r["pid"] for r in control.records() if r["command"] == "ADD")
     record = tmp_path / "state" / "sandboxes" / "inflight.json"

@@ -21,14 +21,6 @@ pytestmark = pytest.mark.root
 ERR = "org.cniagent.Agent1.Error."
 
 
-def busctl_bg(agent: Agent, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        ["busctl", f"--address={agent.bus.address}", "--timeout=60", "call", NAME,
-         "/org/cniagent/Agent1", "org.cniagent.Agent1", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-
-
 # --- every error name, as gdbus shows it ---------------------------------------------
 
 
@@ -290,7 +282,7 @@ def test_second_teardown_finds_nothing_to_do(
     control.update(sleep=0.2)
     agent = make_agent()
     agent.setup("twice", netns)
-    procs = [busctl_bg(agent, "Teardown", "ssa{sv}", "twice", netns, "0") for _ in range(2)]
+    procs = [agent.busctl_bg("Teardown", "ssa{sv}", "twice", netns, "0") for _ in range(2)]
     assert [p.wait(30) for p in procs] == [0, 0]
     assert [r["command"] for r in control.records()
             if r["env"]["CNI_CONTAINERID"] == "twice"].count("DEL") == 1
@@ -302,11 +294,11 @@ def test_a_del_queued_before_an_add_runs_first(
     testnet()
     control.set("ADD", "succeed", sleep=0.6)
     agent = make_agent()
-    first = busctl_bg(agent, "Setup", "ssa{sv}", "fair", netns, "0")
+    first = agent.busctl_bg("Setup", "ssa{sv}", "fair", netns, "0")
     wait_for(lambda: "ADD" in control.commands())
-    teardown = busctl_bg(agent, "Teardown", "ssa{sv}", "fair", netns, "0")
+    teardown = agent.busctl_bg("Teardown", "ssa{sv}", "fair", netns, "0")
     time.sleep(0.2)
-    second = busctl_bg(agent, "Setup", "ssa{sv}", "fair", netns, *options(args={"late": "1"}))
+    second = agent.busctl_bg("Setup", "ssa{sv}", "fair", netns, *options(args={"late": "1"}))
     assert [p.wait(30) for p in (first, teardown, second)] == [0, 0, 0]
     assert [c for _, _, c in _intervals(control, "fair")] == ["ADD", "DEL", "ADD"]
 
@@ -323,7 +315,7 @@ def test_sigterm_drains_and_finishes_in_flight_work(
     early = netns_factory()
     agent.setup("early", early)
     control.set("ADD", "succeed", sleep=3.0)
-    slow = [busctl_bg(agent, "Setup", "ssa{sv}", f"slow{i}", netns_factory(), "0") for i in range(3)]
+    slow = [agent.busctl_bg("Setup", "ssa{sv}", f"slow{i}", netns_factory(), "0") for i in range(3)]
     wait_for(lambda: sum(1 for r in control.records() if r["command"] == "ADD") >= 4)
     assert agent.proc is not None
     agent.proc.send_signal(signal.SIGTERM)
@@ -351,7 +343,7 @@ def test_the_bus_going_away_during_the_drain_ends_it(
     testnet()
     agent = make_agent(bus=bus, shutdown_drain=120.0)
     control.set("ADD", "succeed", sleep=2.0)
-    inflight = busctl_bg(agent, "Setup", "ssa{sv}", "inflight", netns, "0")
+    inflight = agent.busctl_bg("Setup", "ssa{sv}", "inflight", netns, "0")
     wait_for(lambda: any(r["command"] == "ADD" for r in control.records()))
     assert agent.proc is not None and agent.notify is not None
     agent.proc.send_signal(signal.SIGTERM)

@@ -200,6 +200,13 @@ class Agent:
             raise AssertionError(f"{' '.join(cmd)} failed: {out.stderr}\n{self.log()[-3000:]}")
         return out
 
+    def busctl_bg(self, *args: str, timeout: float = 60) -> subprocess.Popen[str]:
+        """`busctl call METHOD SIGNATURE ARGS…` in the background, with its own D-Bus
+        timeout (as a runtime's client gives up); read it with communicate()."""
+        return subprocess.Popen(
+            ["busctl", f"--address={self.bus.address}", f"--timeout={timeout}", "call",
+             NAME, PATH, IFACE, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
     def call(self, method: str, signature: str = "", *args: str, **kw: Any) -> Any:
         """busctl call with JSON output; returns the decoded reply data."""
         out = self.busctl("--json=short", "call", NAME, PATH, IFACE, method, signature, *args, **kw)

@@ -36,7 +36,7 @@ from cni_agent.cni.exec import (
 from cni_agent.cni.result import convert_result, parse_result, version_at_least
 from cni_agent.cni.trust import PluginPath, check_plugin_dirs
 from cni_agent.logctx import log_fields
-from cni_agent.netns import is_netns, with_sandbox
+from cni_agent.netns import with_sandbox
 
 log = logging.getLogger(__name__)
 # Verbs whose failure is an expected answer, not an incident.
@@ -400,7 +400,3 @@ def cached_config(entry: CachedAttachment) -> NetworkConfigList | None:
     """The list an attachment was added with (from its cache entry), if it parses."""
     return parse_list_or_none(entry.config, entry.path or entry.network)
 
-
-def netns_if_present(entry: CachedAttachment) -> str:
-    """The cached netns path if it still is a network namespace, else the empty string."""
-    return entry.netns if entry.netns and is_netns(entry.netns) else ""
