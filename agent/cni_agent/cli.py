@@ -225,10 +225,10 @@ def _seconds(value: str) -> float:
 
 
 def _network(value: str) -> tuple[str, str]:
-    name, colon, ifname = value.partition(":")
-    if not name or (colon and not ifname) or ":" in ifname:
-        raise argparse.ArgumentTypeError(f"{value!r} is not NAME or NAME:IFNAME")
-    return name, ifname
+    try:
+        return cli_sandbox.split_network(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _key_value(value: str) -> tuple[str, str]:

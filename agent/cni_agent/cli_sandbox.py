@@ -58,9 +58,20 @@ def check_name(name: str) -> str:
     return name
 
 
+def split_network(value: str) -> tuple[str, str]:
+    """NAME or NAME:IFNAME (the CLI's --network and a sandbox file's networks)."""
+    name, colon, ifname = value.partition(":")
+    if not name or (colon and not ifname) or ":" in ifname:
+        raise ValueError(f"{value!r} is not NAME or NAME:IFNAME")
+    return name, ifname
+
+
 def _network(source: str, i: int, item: Any) -> tuple[str, str]:
     if isinstance(item, str):
-        name, _, ifname = item.partition(":")
+        try:
+            return split_network(item)
+        except ValueError as e:
+            raise SpecError(f"{source}: networks[{i}]: {e}") from None
     elif isinstance(item, Mapping) and set(item) <= {"name", "ifname"}:
         name, ifname = item.get("name", ""), item.get("ifname", "")
     else:
