@@ -181,6 +181,7 @@ class Daemon:
                 await http.stop()
 
     async def _serve_named(self, loop: asyncio.AbstractEventLoop, bus: MessageBus) -> int:
+        """Serve, the bus name being ours (and the HTTP face up, if configured), until stopped."""
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.add_signal_handler(sig, self._on_signal, sig)
         self._recovery = asyncio.create_task(self._recover(), name="cni-agent-recovery")
