@@ -373,8 +373,10 @@ def reboot(sandboxes: int = 10) -> Report:
         for name in list(node.netns.values())[: sandboxes // 2]:  # some paths come back, new
             subprocess.run(["ip", "netns", "add", name], check=True)
         node.start()
+        # Start-up reaping runs in the background: the IP is released by the DEL
+        # before the record and lock are removed, so wait for the whole outcome.
         deadline = time.monotonic() + 20
-        while node.allocations() and time.monotonic() < deadline:
+        while (node.allocations() or node.check()) and time.monotonic() < deadline:
             time.sleep(0.1)
         report.leaks += [f"{ip} still allocated (owner {o})" for ip, o in node.allocations().items()]
         report.leaks += node.check()
