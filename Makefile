@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: all setup system venv test test-systemd lint unit-py313 run deb rpm-spec-check bench bench-smoke soak clean
+.PHONY: all setup system venv shim test test-systemd lint unit-py313 run deb rpm-spec-check bench bench-smoke soak clean
 
 all: setup
 
@@ -23,12 +23,22 @@ $(STAMP): pyproject.toml
 	@$(PY) -m pip install -q -e '.[test]'
 	@touch $@
 
+# The CNI plugin runtimes exec: C on libsystemd's sd-bus (see shim/cni-agent-shim.c).
+SHIM := build/cni-agent-shim
+CFLAGS ?= -O2 -g
+SHIM_CFLAGS := -Wall -Wextra -Werror -std=c11 $(CFLAGS)
+shim: $(SHIM)
+
+$(SHIM): shim/cni-agent-shim.c | system
+	@mkdir -p build
+	$(CC) $(SHIM_CFLAGS) $(CPPFLAGS) -o $@ $< $(LDFLAGS) $$(pkg-config --cflags --libs libsystemd)
+
 lint: setup
 	$(VENV)/bin/ruff check . tools/test-systemd
 	$(VENV)/bin/mypy
 	$(VENV)/bin/mypy --strict tools/test-systemd
 
-test: setup lint unit-py313
+test: setup $(SHIM) lint unit-py313
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The unit tests again on a Fedora-like Python (3.13: pyinotify needs
@@ -53,10 +63,10 @@ test-systemd: deb
 
 # Benchmarks: one table and out/bench.json (BENCH_ARGS="--only NAME" for one).
 BENCH_ARGS ?=
-bench: setup
+bench: setup $(SHIM)
 	$(PY) -m bench $(BENCH_ARGS)
 
-bench-smoke: setup
+bench-smoke: setup $(SHIM)
 	$(PY) -m bench --smoke $(BENCH_ARGS)
 
 # The long load and crash runs (10,000 operations, 100 kill -9s); a summary table.

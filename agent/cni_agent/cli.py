@@ -41,7 +41,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
 from typing import Any
 
-from cni_agent import __version__, cli_sandbox
+from cni_agent import __version__, cli_sandbox, shim_config
 from cni_agent.cli_output import (
     BUS_HELP,
     TOP_EPILOG,
@@ -54,7 +54,8 @@ from cni_agent.cli_output import (
     format_status,
 )
 from cni_agent.client import AgentClient, ClientError, SandboxResult, SetupOptions
-from cni_agent.cni.args import PodMeta
+from cni_agent.cni.args import PodMeta, validate_network_name
+from cni_agent.cni.errors import InvalidArgument
 from cni_agent.config import ConfigFileError, load_config
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -364,7 +365,38 @@ def build_parser() -> argparse.ArgumentParser:
         Print the ID of every sandbox with cached attachments, one per line, sorted.""",
         "  $ cni-agent list | xargs -n1 cni-agent show", _list, '{"sandboxes": [ID, ...]}')
     _sandbox_commands(sub)
+    p = sub.add_parser(
+        "shim-config", help="print a conflist that sends a runtime's CNI calls to this agent",
+        formatter_class=ManFormatter, description="""
+        Print a network configuration list for a container runtime's conf dir (containerd,
+        CRI-O and podman read /etc/cni/net.d): its one plugin, cni-agent-shim, forwards every
+        CNI call to this agent, which runs network NAME from its own conf_dir. No agent or
+        bus is needed to print it.""",
+        epilog="example:\n  $ cni-agent shim-config --network podnet --name pods"
+               " > /etc/cni/net.d/10-pods.conflist")
+    p.add_argument("--network", metavar="NAME", default="", type=_network_name,
+                   help="the agent network to use (default: the agent's default network)")
+    p.add_argument("--name", metavar="NAME", default="", type=_network_name,
+                   help="the network's name for the runtime (default: --network, else cni-agent)")
+    p.add_argument("--cni-version", metavar="VERSION", default=shim_config.DEFAULT_VERSION,
+                   choices=shim_config.SUPPORTED_VERSIONS,
+                   help=f"cniVersion (default: {shim_config.DEFAULT_VERSION}, which every runtime "
+                        "reads; 1.1.0 adds STATUS and GC, for runtimes on libcni >= 1.2 such as "
+                        "containerd 2)")
+    p.set_defaults(func=_shim_config)
     return parser
+
+
+def _network_name(value: str) -> str:
+    try:
+        return validate_network_name(value)
+    except InvalidArgument as e:
+        raise argparse.ArgumentTypeError(e.reason) from None
+
+
+def _shim_config(args: argparse.Namespace) -> int:
+    print(json.dumps(shim_config.conflist(args.network, args.name, args.cni_version), indent=2))
+    return 0
 
 
 def _sandbox_commands(sub: Any) -> None:

@@ -9,8 +9,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from cni_agent.attach import Attachments
 from cni_agent.cni.exec import Executor, ProcessExecutor
 from cni_agent.cni.runtime import CNIRuntime, Timeouts
+from cni_agent.cnicall import ShimCalls
 from cni_agent.config import AgentConfig
 from cni_agent.fallback import fallback_network
 from cni_agent.gc import Reaper, gc_verb_allowed
@@ -39,6 +41,8 @@ class Core:
     reaper: Reaper
     pod_cidrs: PodCIDRs
     manager: SandboxManager
+    attachments: Attachments
+    shim: ShimCalls
     metrics: Metrics
 
     async def stop(self) -> None:
@@ -83,4 +87,7 @@ def build_core(cfg: AgentConfig, executor: Executor | None = None) -> Core:
     pod_cidrs = PodCIDRs(cfg.state_dir, cfg.pod_cidrs)
     manager = SandboxManager(journal, monitor, locks, reaper, pod_cidrs,
                              SandboxTimeouts(lock=t.lock, ready=t.ready))
-    return Core(runtime, monitor, journal, locks, reaper, pod_cidrs, manager, metrics)
+    attachments = Attachments(manager)
+    shim = ShimCalls(attachments, monitor, on_call=metrics.shim_call)
+    return Core(runtime, monitor, journal, locks, reaper, pod_cidrs, manager, attachments, shim,
+                metrics)

@@ -157,7 +157,7 @@ class Daemon:
     async def _serve(self, loop: asyncio.AbstractEventLoop, bus: MessageBus) -> int:
         self.iface = AgentInterface(self.manager, self.monitor, self.pod_cidrs,
                                     Authorizer(bus, self.cfg.access.groups), self.reload,
-                                    on_operation=self.core.metrics.operation)
+                                    shim=self.core.shim, on_operation=self.core.metrics.operation)
         bus.add_message_handler(self.iface.message_handler)
         bus.export(OBJECT_PATH, self.iface)
         # systemd first: its STATUS= line never depends on the bus being there.

@@ -12,7 +12,7 @@ import inspect
 import json
 import logging
 import math
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextvars import ContextVar
 from typing import Any, TypeVar
 
@@ -21,9 +21,11 @@ from dbus_fast.constants import PropertyAccess
 from dbus_fast.errors import DBusError
 from dbus_fast.service import ServiceInterface, dbus_property, method
 
+from cni_agent.attach import AttachRequest
 from cni_agent.auth import Authorizer
 from cni_agent.cni.args import PodMeta
 from cni_agent.cni.errors import InvalidArgument
+from cni_agent.cnicall import READ_ONLY, ShimCalls, command_of
 from cni_agent.errors import AgentError, ErrorKind, classify
 from cni_agent.monitor import Monitor, NetworkState
 from cni_agent.podcidrs import PodCIDRs
@@ -46,8 +48,11 @@ OPTION_KEYS = {"networks": "a(ss)", "args": "a{ss}", "pod": "a{ss}", "capabiliti
 SIGNATURES = {
     "Setup": "ssa{sv}", "Teardown": "ssa{sv}", "Check": "ssa{sv}", "Show": "s",
     "ListSandboxes": "", "WaitReady": "d", "GarbageCollect": "as", "Reload": "",
-    "SetPodCIDRs": "as",
+    "SetPodCIDRs": "as", "Attach": "ssssa{sv}", "Detach": "ssssa{sv}", "CNICall": "a{ss}s",
 }
+# Attach takes Setup's options but one network: `networks` and `pod` are Setup's.
+ATTACH_OPTIONS = ("args", "capabilities")
+MAX_CNI_ENV = 64
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -120,11 +125,12 @@ def parse_capabilities(text: str) -> dict[str, Any]:
     return caps
 
 
-def parse_options(options: Mapping[str, Any]) -> dict[str, Any]:
-    """The `a{sv}` options of Setup/Teardown/Check, checked key by key."""
+def parse_options(options: Mapping[str, Any], known: Sequence[str] = tuple(OPTION_KEYS)
+                  ) -> dict[str, Any]:
+    """The `a{sv}` options of Setup/Teardown/Check (or the `known` subset), checked key by key."""
     for key in options:
-        if key not in OPTION_KEYS:
-            raise _invalid("options", f"unknown key {key!r} (known: {', '.join(OPTION_KEYS)})")
+        if key not in known:
+            raise _invalid("options", f"unknown key {key!r} (known: {', '.join(known)})")
     out: dict[str, Any] = {}
     if "networks" in options:
         nets = []
@@ -175,9 +181,12 @@ class AgentInterface(ServiceInterface):
         pod_cidrs: PodCIDRs,
         authorizer: Authorizer,
         reload: Callable[[], Awaitable[None]],
+        *,
+        shim: ShimCalls,
         on_operation: Callable[[str, str], None] = lambda method, result: None,
     ) -> None:
         super().__init__(INTERFACE)
+        self.shim = shim
         self._on_operation = on_operation  # (method, "ok" or the error name): metrics
         self.manager = manager
         self.monitor = monitor
@@ -373,3 +382,42 @@ class AgentInterface(ServiceInterface):
                 self.emit_properties_changed({"PodCIDRs": list(after)})
 
         await self._serve("SetPodCIDRs", work)
+
+    @method()
+    @signature("s", "s", "s", "s", "a{sv}", returns="s")
+    async def Attach(self, sandbox_id: str, netns: str, network: str, ifname: str,
+                     options: dict[str, Variant]) -> str:
+        async def work() -> str:
+            opts = parse_options(options, ATTACH_OPTIONS)
+            req = AttachRequest(sandbox_id, netns, network, ifname or DEFAULT_IFNAME,
+                                opts.get("args", ()), opts.get("capabilities", {}))
+            return json.dumps(await self.shim.attachments.attach(req))
+
+        result: str = await self._serve("Attach", work)
+        return result
+
+    @method()
+    @signature("s", "s", "s", "s", "a{sv}")
+    async def Detach(self, sandbox_id: str, netns: str, network: str, ifname: str,
+                     options: dict[str, Variant]) -> None:
+        async def work() -> None:
+            parse_options(options, ATTACH_OPTIONS)
+            await self.shim.attachments.detach(sandbox_id, netns, network,
+                                               ifname or DEFAULT_IFNAME)
+
+        await self._serve("Detach", work)
+
+    @method()
+    @signature("a{ss}", "s", returns="us")
+    async def CNICall(self, environment: dict[str, str], config: str) -> list[Any]:
+        async def work() -> list[Any]:
+            if len(environment) > MAX_CNI_ENV:
+                raise _invalid("environment", f"more than {MAX_CNI_ENV} variables")
+            env = {k: v for k, v in environment.items() if k.startswith("CNI_")}
+            answer = await self.shim.handle(env, config)
+            return [answer.exit_status, answer.output]
+
+        # STATUS and VERSION change nothing: open to all, like NetworkReady.
+        mutating = command_of(environment) not in READ_ONLY
+        result: list[Any] = await self._serve("CNICall", work, mutating=mutating)
+        return result

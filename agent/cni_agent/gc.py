@@ -119,6 +119,41 @@ class Reaper:
         self._on_report(report)
         return report
 
+    async def release(self, origin: str, valid: Collection[tuple[str, str]]) -> GCReport:
+        """A runtime's GC through the shim: DEL what its network `origin` made and
+        no longer lists as (sandbox, ifname). A busy sandbox is left for its next GC."""
+        await self.recovered.wait()
+        report = GCReport()
+        records, _ = await asyncio.to_thread(self.journal.store.all)
+        for rec in sorted(records, key=lambda r: r.sandbox_id):
+            if _released(rec, origin, valid):
+                await self._release(rec.sandbox_id, origin, valid, report)
+        if report.deleted:
+            log.info("gc of %s: removed %d attachment(s) it no longer lists", origin,
+                     len(report.deleted))
+        self._on_report(report)
+        return report
+
+    async def _release(self, sid: str, origin: str, valid: Collection[tuple[str, str]],
+                       report: GCReport) -> None:
+        try:
+            async with self.locks.hold(sid, 0):
+                with log_fields(SANDBOX_ID=sid):
+                    rec, entries = await self.journal.view(sid)
+                    doomed = _released(rec, origin, valid) if rec is not None else set()
+                    if rec is None or not doomed:
+                        return
+                    async with self.journal.live_netns(rec, entries) as ns:
+                        left, errors = await self.journal.remove(rec, doomed, ns, entries)
+                    kept = {a.ifname for a in left.attachments} if left else set()
+                    report.deleted.extend((a.network, sid, a.ifname) for a in rec.attachments
+                                          if a.ifname in doomed and a.ifname not in kept)
+                    self._account(report, sid, errors)
+        except LockTimeout:
+            report.busy.append(sid)
+        except UNANSWERED as e:
+            report.errors.append(f"sandbox {sid}: not looked at: {e}")
+
     async def stop(self) -> None:
         if self._retry is not None:
             self._retry.cancel()
@@ -199,7 +234,8 @@ class Reaper:
             self._account(report, sid, errors, rolled_back=True)
             rec, entries = await self.journal.view(sid)
         foreign = [e for e in entries.values() if not _in(rec, e)]
-        if valid_ids is not None and sid not in valid_ids:
+        unlisted = valid_ids is not None and sid not in valid_ids
+        if unlisted:
             dead, stale = rec is not None, foreign
         else:
             # A recorded sandbox is dead when its namespace is; a cache entry of
@@ -208,7 +244,9 @@ class Reaper:
             stale = [e for e in foreign if not await self._present(e)]
         doomed = {e.ifname for e in stale}
         if dead and rec is not None:
-            doomed |= {a.ifname for a in rec.attachments}
+            # What a runtime made through the shim is its GC's to release, not
+            # this caller's list's; a dead namespace's is reaped in any case.
+            doomed |= {a.ifname for a in rec.attachments if not (unlisted and a.origin)}
         if not doomed:
             return
         claimed = await self.journal.claim(sid, rec, {(e.network, e.ifname): e for e in stale})
@@ -263,6 +301,13 @@ class Reaper:
                 log.warning("gc: %s", err)
 
         self._retry = asyncio.create_task(retry(), name="cni-agent-gc-retry")
+
+
+def _released(rec: SandboxRecord, origin: str, valid: Collection[tuple[str, str]]) -> set[str]:
+    """The ready attachments of `rec` that `origin` made and does not list."""
+    return {a.ifname for a in rec.attachments
+            if a.origin == origin and a.phase is Phase.READY
+            and (rec.sandbox_id, a.ifname) not in valid}
 
 
 def _in(rec: SandboxRecord | None, entry: CachedAttachment) -> bool:

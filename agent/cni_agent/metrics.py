@@ -65,6 +65,9 @@ class Metrics:
                             "Requests refused Busy (a sandbox or network lock not free in time)",
                             registry=r)
         self.sandboxes = Gauge("cni_agent_sandboxes", "Sandboxes with attachments", registry=r)
+        self.shim_calls = Counter(
+            "cni_agent_shim_calls", "CNI calls forwarded by cni-agent-shim, by command and result "
+            "(ok or the CNI error code)", ("command", "result"), registry=r)
         self._last_ready: bool | None = None
         for how in ("deleted", "rolled_back"):
             self.reaped.labels(how)
@@ -80,6 +83,9 @@ class Metrics:
 
     def operation(self, method: str, result: str) -> None:
         self.operations.labels(method, result).inc()
+
+    def shim_call(self, command: str, code: int) -> None:
+        self.shim_calls.labels(command, "ok" if code == 0 else f"code_{code}").inc()
 
     def locked(self, waited: float, busy: bool) -> None:
         self.lock_wait.observe(waited)

@@ -124,6 +124,23 @@ class Monitor:
     def networks(self) -> tuple[NetworkConfigList, ...]:
         return tuple(self._networks.values())
 
+    def unready_reason(self, name: str = "") -> str:
+        """Why network `name` ("" = the default) cannot serve ADD now; "" when it can.
+
+        The answer of a runtime's STATUS through the shim: from the last
+        evaluation, so it never waits on a plugin.
+        """
+        st = self.state
+        if self._stopped or st is STARTING or not name or name == st.default_network:
+            return "" if st.ready else (st.last_error or st.status)
+        if name not in self._networks:
+            bad = next((b for b in st.invalid if b.name == name), None)
+            if bad is not None:
+                return f"network {name} is invalid: {bad.source}: {bad.reason}"
+            return f"network {name} not found (valid networks: {', '.join(st.networks) or 'none'})"
+        failure = dict(st.network_errors).get(name)
+        return f"network {name}: {failure}" if failure else ""
+
     def subscribe(self, listener: Listener) -> Callable[[], None]:
         """Call `listener(state)` on every change, in order; returns an unsubscribe."""
         self._listeners.append(listener)

@@ -121,7 +121,7 @@ class SandboxManager:
     # --- shared steps -----------------------------------------------------------
 
     @asynccontextmanager
-    async def _locked(self, ticket: Ticket) -> AsyncIterator[None]:
+    async def locked(self, ticket: Ticket) -> AsyncIterator[None]:
         """Recovery over, then the sandbox's lock, within one `timeouts.lock` budget."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeouts.lock
@@ -136,12 +136,12 @@ class SandboxManager:
             ticket.start()
             yield
 
-    def _gate(self) -> None:
+    def gate(self) -> None:
         if not self.accepting:
             raise AgentError(ErrorKind.SHUTTING_DOWN,
                              "cni-agent is shutting down and no longer accepts new requests")
 
-    async def _wait_ready(self, ticket: Ticket) -> None:
+    async def wait_ready(self, ticket: Ticket) -> None:
         """Wait for readiness, unless a later Teardown makes this request moot."""
         if not self.draining and self.monitor.ready:
             return
@@ -166,7 +166,14 @@ class SandboxManager:
         raise AgentError(ErrorKind.NOT_READY,
                          f"network not ready after {self.timeouts.ready:g}s: {reason}")
 
-    def _resolve(self, req: NetworkRequest) -> NetworkConfigList:
+    def capabilities_for(self, given: Mapping[str, Any]) -> dict[str, Any]:
+        """The caller's capabilities, with the node's pod CIDRs as ipRanges unless given."""
+        caps = dict(given)
+        if "ipRanges" not in caps and self.pod_cidrs.ranges():
+            caps["ipRanges"] = self.pod_cidrs.ranges()
+        return caps
+
+    def resolve(self, req: NetworkRequest) -> NetworkConfigList:
         if not req.network:
             net = self.monitor.default()
             if net is None:
@@ -209,7 +216,7 @@ class SandboxManager:
                 raise err from e
 
     async def _setup(self, req: SetupRequest) -> dict[str, Any]:
-        self._gate()
+        self.gate()
         self.validate(req)
         # Opened once, here, and only used through this handle from now on.
         async with self.journal.paths.pinned(req.netns) as ns:
@@ -217,21 +224,19 @@ class SandboxManager:
 
     async def _setup_in(self, req: SetupRequest, ns: Pinned) -> dict[str, Any]:
         with self.order.arrive(req.sandbox_id, Kind.ADD) as ticket:
-            await self._wait_ready(ticket)
+            await self.wait_ready(ticket)
             requests = req.networks or (NetworkRequest(),)
-            nets = [self._resolve(r) for r in requests]
+            nets = [self.resolve(r) for r in requests]
             args = tuple(build_cni_args(req.args, req.pod, req.sandbox_id))
-            caps = dict(req.capabilities)
-            if "ipRanges" not in caps and self.pod_cidrs.ranges():
-                caps["ipRanges"] = self.pod_cidrs.ranges()
+            caps = self.capabilities_for(req.capabilities)
             new = tuple(Attachment(net.name, r.ifname, net.bytes, args, caps)
                         for net, r in zip(nets, requests, strict=True))
             digest = _digest(new, req.capabilities)
             with log_fields(**_single(new)):
-                async with self._locked(ticket):
+                async with self.locked(ticket):
                     rec, entries = await self.journal.view(req.sandbox_id)
                     if rec is not None:
-                        settled = await self._settle(rec, entries, req.netns, ns.identity)
+                        settled = await self.settle(rec, entries, req.netns, ns.identity)
                         if settled is not rec:
                             rec, entries = await self.journal.view(req.sandbox_id)
                     if rec is not None:
@@ -243,7 +248,7 @@ class SandboxManager:
                     return await self._add_all(SandboxRecord(req.sandbox_id, req.netns, ns.identity,
                                                              (), digest), new, nets, ns)
 
-    async def _settle(self, rec: SandboxRecord, entries: Mapping[tuple[str, str], CachedAttachment],
+    async def settle(self, rec: SandboxRecord, entries: Mapping[tuple[str, str], CachedAttachment],
                       netns: str, identity: NetnsId) -> SandboxRecord | None:
         """Before a Setup: undo what an earlier run left unfinished, and reap the
         sandbox if its namespace died (the id is being reused). What is left is live."""
@@ -316,26 +321,27 @@ class SandboxManager:
         with log_fields(SANDBOX_ID=sandbox_id):
             try:
                 await self._teardown(sandbox_id, netns)
+            except AgentError:
+                raise
             except Exception as e:
                 raise classify(e) from e
 
     async def _teardown(self, sandbox_id: str, netns: str) -> None:
         validate_container_id(sandbox_id)
-        if netns and ("\x00" in netns or len(netns) > 4096 or not netns.startswith("/")):
-            raise InvalidArgument("netns", "must be empty or an absolute path")
+        validate_removal_netns(netns)
         with self.order.arrive(sandbox_id, Kind.REMOVE) as ticket:
             # The caller's path is checked and pinned now, before any wait, like
             # Setup's; it is used only when no record says where the sandbox is.
-            given_cm = self.journal.paths.pinned_if_netns(netns) if netns else _none()
-            async with _unless_hung(given_cm) as given, self._locked(ticket):
+            given_cm = self.journal.paths.pinned_if_netns(netns) if netns else no_netns()
+            async with unless_hung(given_cm) as given, self.locked(ticket):
                 rec, entries = await self.journal.view(sandbox_id)
                 if rec is None and not entries:
                     return  # nothing known: success, as DEL of nothing is
                 # Where the DELs run: the recorded namespace if it still is the
                 # one; without a record (another tool's entries) the caller's;
                 # else none — an empty netns, which DEL must tolerate.
-                ns_cm = self.journal.live_netns(rec, entries) if rec else _none(given)
-                async with _unless_hung(ns_cm) as ns:
+                ns_cm = self.journal.live_netns(rec, entries) if rec else no_netns(given)
+                async with unless_hung(ns_cm) as ns:
                     claimed = await self.journal.claim(sandbox_id, rec, entries, netns,
                                                        ns.identity if ns else None)
                     with log_fields(**_single(claimed.attachments)):
@@ -352,18 +358,20 @@ class SandboxManager:
         with log_fields(SANDBOX_ID=sandbox_id):
             try:
                 await self._check(sandbox_id, netns)
+            except AgentError:
+                raise
             except Exception as e:
                 raise classify(e) from e
 
     async def _check(self, sandbox_id: str, netns: str) -> None:
-        self._gate()
+        self.gate()
         validate_container_id(sandbox_id)
         async with self.journal.paths.pinned(netns) as ns:
             await self._check_in(sandbox_id, ns)
 
     async def _check_in(self, sandbox_id: str, ns: Pinned) -> None:
         with self.order.arrive(sandbox_id, Kind.OTHER) as ticket:
-            async with self._locked(ticket):
+            async with self.locked(ticket):
                 rec, entries = await self.journal.view(sandbox_id)
                 if rec is None or rec.phase is not Phase.READY:
                     raise AgentError(ErrorKind.NOT_FOUND, f"sandbox {sandbox_id} is not set up")
@@ -389,6 +397,8 @@ class SandboxManager:
         try:
             validate_container_id(sandbox_id)
             rec, entries = await self.journal.view(sandbox_id)
+        except AgentError:
+            raise
         except Exception as e:
             raise classify(e) from e
         if not entries:
@@ -407,16 +417,24 @@ class SandboxManager:
 
     async def garbage_collect(self, valid_ids: Sequence[str]) -> None:
         try:
-            self._gate()
+            self.gate()
             for sid in valid_ids:
                 validate_container_id(sid, "valid_sandbox_ids")
             report = await self.reaper.collect(set(valid_ids))
+        except AgentError:
+            raise
         except Exception as e:
             raise classify(e) from e
         if report.errors:
             raise AgentError(ErrorKind.PLUGIN_FAILED,
                              f"garbage collection finished with {len(report.errors)} error(s): "
                              + report.errors[0])
+
+
+def validate_removal_netns(netns: str) -> None:
+    """A removal's netns: "" (gone) or an absolute path, checked only when used."""
+    if netns and ("\x00" in netns or len(netns) > 4096 or not netns.startswith("/")):
+        raise InvalidArgument("netns", "must be empty or an absolute path")
 
 
 def _single(new: Sequence[Attachment]) -> dict[str, str]:
@@ -426,12 +444,12 @@ def _single(new: Sequence[Attachment]) -> dict[str, str]:
 
 
 @asynccontextmanager
-async def _none(ns: Pinned | None = None) -> AsyncIterator[Pinned | None]:
+async def no_netns(ns: Pinned | None = None) -> AsyncIterator[Pinned | None]:
     yield ns
 
 
 @asynccontextmanager
-async def _unless_hung(cm: AbstractAsyncContextManager[Pinned | None]
+async def unless_hung(cm: AbstractAsyncContextManager[Pinned | None]
                        ) -> AsyncIterator[Pinned | None]:
     """`cm`'s namespace, or None when its path does not answer: a Teardown must
     be able to finish (with an empty netns) even then."""

@@ -38,7 +38,8 @@ def test_a_state_change_on_a_broken_connection_is_kept_and_does_not_raise(tmp_pa
         await node.start()
         conn = await MessageBus(bus_address=bus.address).connect()
         iface = AgentInterface(node.manager, node.core.monitor, node.core.pod_cidrs,
-                               Authorizer(conn, ()), lambda: asyncio.sleep(0))
+                               Authorizer(conn, ()), lambda: asyncio.sleep(0),
+                               shim=node.core.shim)
         conn.export(OBJECT_PATH, iface)
         seen: list[NetworkState] = []
         node.core.monitor.subscribe(iface.on_state)

@@ -16,7 +16,7 @@ from typing import Any
 
 from cni_agent.cni.args import format_cni_args
 from cni_agent.cni.cache import CachedAttachment, ResultCache
-from cni_agent.cni.config import NetworkConfigList, PluginConf, parse_list_or_none
+from cni_agent.cni.config import SHIM_TYPE, NetworkConfigList, PluginConf, parse_list_or_none
 from cni_agent.cni.errors import (
     CNIError,
     ConfigError,
@@ -374,6 +374,11 @@ class CNIRuntime:
 
     async def validate(self, net: NetworkConfigList) -> None:
         """Raise ConfigError unless every plugin exists and supports the list's version."""
+        if SHIM_TYPE in net.plugin_types:
+            raise ConfigError(net.source or net.name,
+                              f"plugin {SHIM_TYPE} forwards to this agent, which would call itself: "
+                              "the agent's networks go in its own conf_dir (for example "
+                              "/etc/cni-agent/net.d), the shim's in the runtime's")
         for plugin in net.plugins:
             try:
                 versions = await self.version(plugin.type)

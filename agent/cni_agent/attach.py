@@ -1,0 +1,261 @@
+"""ADD, DEL and CHECK of one attachment: what a CNI runtime does, one network
+and interface at a time (through the shim, or the D-Bus Attach/Detach).
+
+The same steps as Setup and Teardown — validate, take a place in the
+sandbox's order, its lock, the journal's write-ahead record, rollback — for
+one (network, ifname) of a sandbox that may already have others. A Teardown
+still removes them all; a Setup repeat of a sandbox built this way is refused
+(it is not the request that built it).
+
+An attachment remembers its `origin` (the runtime's network name for shim
+calls, "" otherwise): a runtime's DEL and GC only ever touch what its own
+network made.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from cni_agent.cni.args import (
+    build_cni_args,
+    validate_container_id,
+    validate_ifname,
+    validate_network_name,
+)
+from cni_agent.cni.cache import CachedAttachment
+from cni_agent.cni.config import NetworkConfigList
+from cni_agent.cni.errors import CNIError, InvalidArgument, NoCachedResult
+from cni_agent.errors import AgentError, ErrorKind, classify
+from cni_agent.journal import is_recorded
+from cni_agent.logctx import log_fields
+from cni_agent.netns import NetnsError, Pinned, bring_up_loopback
+from cni_agent.order import Kind
+from cni_agent.records import Attachment, Phase, SandboxRecord
+from cni_agent.sandbox import (
+    DEFAULT_IFNAME,
+    NetworkRequest,
+    SandboxManager,
+    no_netns,
+    unless_hung,
+    validate_removal_netns,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AttachRequest:
+    sandbox_id: str
+    netns: str
+    network: str = ""  # "" = the default network
+    ifname: str = DEFAULT_IFNAME
+    args: tuple[tuple[str, str], ...] = ()
+    capabilities: Mapping[str, Any] = field(default_factory=dict)
+    origin: str = ""
+
+
+def attachment_document(sandbox_id: str, network: str, ifname: str,
+                        result: Mapping[str, Any]) -> dict[str, Any]:
+    """Setup's result JSON, for the one attachment."""
+    return {"sandbox": sandbox_id, "state": "ready",
+            "attachments": [{"network": network, "ifname": ifname, "result": dict(result)}]}
+
+
+def _validate(sandbox_id: str, network: str, ifname: str, origin: str) -> None:
+    validate_container_id(sandbox_id)
+    if network:
+        validate_network_name(network)
+    validate_ifname(ifname)
+    if origin:
+        validate_network_name(origin, "origin")
+
+
+def _mine(a: Attachment, network: str, origin: str) -> bool:
+    """Whether a removal or check naming `network` ("" = any) from `origin` means `a`."""
+    return (not network or a.network == network) and (not origin or a.origin == origin)
+
+
+class Attachments:
+    def __init__(self, manager: SandboxManager) -> None:
+        self.m = manager
+
+    # --- ADD ------------------------------------------------------------------------
+
+    async def attach(self, req: AttachRequest) -> dict[str, Any]:
+        with log_fields(SANDBOX_ID=req.sandbox_id, IFNAME=req.ifname):
+            try:
+                return await self._attach(req)
+            except AgentError:
+                raise
+            except Exception as e:
+                raise classify(e) from e
+
+    async def _attach(self, req: AttachRequest) -> dict[str, Any]:
+        m = self.m
+        m.gate()
+        _validate(req.sandbox_id, req.network, req.ifname, req.origin)
+        args = tuple(build_cni_args(req.args, None, req.sandbox_id))
+        if not isinstance(req.capabilities, Mapping):
+            raise InvalidArgument("capabilities", "must be a JSON object")
+        async with m.journal.paths.pinned(req.netns) as ns:
+            with m.order.arrive(req.sandbox_id, Kind.ADD, frozenset({req.ifname})) as ticket:
+                await m.wait_ready(ticket)
+                net = m.resolve(NetworkRequest(req.network, req.ifname))
+                att = Attachment(net.name, req.ifname, net.bytes, args,
+                                 m.capabilities_for(req.capabilities), origin=req.origin)
+                with log_fields(NETWORK=net.name):
+                    async with m.locked(ticket):
+                        return await self._attach_locked(req, att, net, ns)
+
+    async def _attach_locked(self, req: AttachRequest, att: Attachment, net: NetworkConfigList,
+                             ns: Pinned) -> dict[str, Any]:
+        m = self.m
+        rec, entries = await m.journal.view(req.sandbox_id)
+        if rec is not None:
+            settled = await m.settle(rec, entries, req.netns, ns.identity)
+            if settled is not rec:
+                rec, entries = await m.journal.view(req.sandbox_id)
+        existing = rec.attachment(att.ifname) if rec is not None else None
+        if existing is not None:
+            return self._repeat(req.sandbox_id, existing, att, entries)
+        if (att.network, att.ifname) in entries:
+            raise AgentError(ErrorKind.INVALID_ARGUMENT,
+                             f"sandbox {req.sandbox_id} has a cached {att.network}/{att.ifname} "
+                             "from another tool or an older run; DEL it first")
+        if rec is None:
+            # A new sandbox: lo first, before an intent exists (nothing to undo).
+            try:
+                await bring_up_loopback(ns)
+            except NetnsError as e:
+                raise AgentError(ErrorKind.PLUGIN_FAILED, f"cannot bring up lo: {e}") from e
+            rec = SandboxRecord(req.sandbox_id, req.netns, ns.identity, ())
+        rec = await m.journal.begin_add(rec, [att])
+        try:
+            result = await m.journal.add(rec, att, net, ns)
+        except CNIError as e:
+            log.warning("ADD of %s/%s for %s failed, rolling back: %s", att.network, att.ifname,
+                        req.sandbox_id, e)
+            _, undo = await m.journal.remove(rec, [att.ifname], ns)
+            err = classify(e)
+            if undo:
+                err = AgentError(err.kind, f"{err.message} (cleanup failed, retried at the next "
+                                           f"GC: {undo[0]})")
+            raise err from e
+        await m.journal.commit(rec, [att.ifname])
+        return attachment_document(req.sandbox_id, att.network, att.ifname, result)
+
+    @staticmethod
+    def _repeat(sandbox_id: str, existing: Attachment, new: Attachment,
+                entries: Mapping[tuple[str, str], CachedAttachment]) -> dict[str, Any]:
+        same = (existing.network, existing.args, dict(existing.capabilities), existing.origin) == \
+            (new.network, new.args, dict(new.capabilities), new.origin)
+        entry = entries.get((existing.network, existing.ifname))
+        if not same or existing.phase is not Phase.READY or entry is None:
+            raise AgentError(ErrorKind.INVALID_ARGUMENT,
+                             f"sandbox {sandbox_id} already has {existing.ifname} on network "
+                             f"{existing.network}; DEL it first")
+        return attachment_document(sandbox_id, entry.network, entry.ifname, entry.result or {})
+
+    # --- DEL ------------------------------------------------------------------------
+
+    async def detach(self, sandbox_id: str, netns: str, network: str, ifname: str,
+                     origin: str = "") -> None:
+        """DEL one attachment. Nothing attached there, or its netns gone: success."""
+        with log_fields(SANDBOX_ID=sandbox_id, IFNAME=ifname):
+            try:
+                await self._detach(sandbox_id, netns, network, ifname, origin)
+            except AgentError:
+                raise
+            except Exception as e:
+                raise classify(e) from e
+
+    async def _detach(self, sandbox_id: str, netns: str, network: str, ifname: str,
+                      origin: str) -> None:
+        m = self.m
+        _validate(sandbox_id, network, ifname, origin)
+        validate_removal_netns(netns)
+        with m.order.arrive(sandbox_id, Kind.REMOVE, frozenset({ifname})) as ticket:
+            given_cm = m.journal.paths.pinned_if_netns(netns) if netns else no_netns()
+            async with unless_hung(given_cm) as given, m.locked(ticket):
+                rec, entries = await m.journal.view(sandbox_id)
+                recorded = rec.attachment(ifname) if rec is not None else None
+                if rec is not None and recorded is not None:
+                    if not _mine(recorded, network, origin):
+                        log.info("DEL of %s on %s: it belongs to network %s, not this one; "
+                                 "nothing to do", ifname, sandbox_id, recorded.network)
+                        return
+                    async with unless_hung(m.journal.live_netns(rec, entries)) as ns:
+                        await self._remove(rec, ifname, ns, entries)
+                    return
+                # No record of it: a cache entry of another tool is removed like
+                # Teardown removes one, with the caller's netns.
+                foreign = {k: e for k, e in entries.items()
+                           if k[1] == ifname and (not network or k[0] == network)}
+                if not foreign or origin:
+                    return  # nothing of ours there: DEL of nothing succeeds
+                claimed = await m.journal.claim(sandbox_id, rec, foreign, netns,
+                                                given.identity if given else None)
+                await self._remove(claimed, ifname, given, entries)
+
+    async def _remove(self, rec: SandboxRecord, ifname: str, ns: Pinned | None,
+                      entries: Mapping[tuple[str, str], CachedAttachment]) -> None:
+        _, errors = await self.m.journal.remove(rec, [ifname], ns, entries)
+        if errors:
+            raise AgentError(ErrorKind.PLUGIN_FAILED,
+                             f"DEL of {ifname} of {rec.sandbox_id} incomplete, its cache entry "
+                             f"is kept: {errors[0]}")
+        log.info("sandbox %s: %s removed", rec.sandbox_id, ifname)
+
+    # --- CHECK ----------------------------------------------------------------------
+
+    async def check(self, sandbox_id: str, netns: str, network: str, ifname: str,
+                    origin: str = "") -> None:
+        with log_fields(SANDBOX_ID=sandbox_id, IFNAME=ifname):
+            try:
+                m = self.m
+                m.gate()
+                _validate(sandbox_id, network, ifname, origin)
+                async with m.journal.paths.pinned(netns) as ns:
+                    with m.order.arrive(sandbox_id, Kind.OTHER, frozenset({ifname})) as ticket:
+                        async with m.locked(ticket):
+                            await self._check_locked(sandbox_id, ns, network, ifname, origin)
+            except AgentError:
+                raise
+            except Exception as e:
+                raise classify(e) from e
+
+    async def _check_locked(self, sandbox_id: str, ns: Pinned, network: str, ifname: str,
+                            origin: str) -> None:
+        rec, entries = await self.m.journal.view(sandbox_id)
+        att = rec.attachment(ifname) if rec is not None else None
+        if rec is None or att is None or att.phase is not Phase.READY or \
+                not _mine(att, network, origin):
+            raise AgentError(ErrorKind.NOT_FOUND,
+                             f"sandbox {sandbox_id} has no {ifname}"
+                             + (f" on network {network}" if network else ""))
+        if rec.netns != ns.path or not await is_recorded(rec, entries, ns):
+            raise AgentError(ErrorKind.INVALID_ARGUMENT,
+                             f"sandbox {sandbox_id} is set up in netns {rec.netns}, not {ns.path}")
+        entry = entries.get((att.network, att.ifname))
+        if entry is None:
+            raise NoCachedResult(f"sandbox {sandbox_id}: no cached result for "
+                                 f"{att.network}/{att.ifname}")
+        await self.m.journal.check(att, entry, ns)
+
+    # --- a runtime's GC -------------------------------------------------------------
+
+    async def collect(self, origin: str, valid: Collection[tuple[str, str]]) -> list[str]:
+        """DEL the attachments made through `origin` whose (sandbox, ifname) the
+        runtime no longer lists; nothing else. Returns the errors."""
+        try:
+            self.m.gate()
+            validate_network_name(origin, "name")
+            report = await self.m.reaper.release(origin, frozenset(valid))
+        except AgentError:
+            raise
+        except Exception as e:
+            raise classify(e) from e
+        return report.errors

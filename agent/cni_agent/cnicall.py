@@ -1,0 +1,280 @@
+"""A runtime's CNI call, forwarded by `cni-agent-shim`: plugin protocol in and out.
+
+The shim sends its CNI_* environment and stdin untouched and prints what it
+gets back, so everything is decided here, where it can be tested: the request
+is checked as a plugin checks it (the spec's error codes 1, 4, 6, 7), mapped
+to one attachment operation, and answered as a plugin answers: an exit status
+and stdout — the result in the caller's cniVersion, or a CNI error whose code
+tells the runtime what to do (11: try again later; a failed plugin's own
+code, msg and details, unchanged).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from cni_agent.attach import Attachments, AttachRequest
+from cni_agent.cni.config import SHIM_TYPE
+from cni_agent.cni.errors import (
+    CODE_DECODE_FAILURE,
+    CODE_INCOMPATIBLE_VERSION,
+    CODE_INVALID_CONFIG,
+    CODE_INVALID_ENV,
+    CODE_NOT_AVAILABLE,
+    CODE_TRY_AGAIN_LATER,
+    CODE_UNKNOWN_CONTAINER,
+    CNIError,
+    InvalidArgument,
+    PluginError,
+)
+from cni_agent.cni.result import convert_result
+from cni_agent.cni.runtime import LEGACY_ATTACHMENTS_KEY, VALID_ATTACHMENTS_KEY
+from cni_agent.errors import AgentError, ErrorKind, classify
+from cni_agent.monitor import Monitor
+from cni_agent.shim_config import SUPPORTED_VERSIONS
+
+log = logging.getLogger(__name__)
+
+COMMANDS = ("ADD", "DEL", "CHECK", "STATUS", "GC", "VERSION")
+# Those that change nothing: anyone may ask them, like the NetworkReady property.
+READ_ONLY = frozenset({"STATUS", "VERSION"})
+CODE_INTERNAL = 999  # libcni's ErrInternal: the agent itself failed
+MAX_CONFIG = 1024 * 1024
+# CNI_* values longer than this are no real runtime's.
+MAX_ENV_VALUE = 4096
+
+# Which env variable an InvalidArgument's field came from (code 4; else 7).
+_ENV_FIELDS = {"sandbox_id": "CNI_CONTAINERID", "netns": "CNI_NETNS", "ifname": "CNI_IFNAME",
+               "args": "CNI_ARGS"}
+
+
+@dataclass(frozen=True)
+class Answer:
+    exit_status: int
+    output: str
+    code: int = 0  # the CNI error code of a failure (for metrics and logs)
+
+
+class Refusal(Exception):
+    """The request is not one a plugin would accept; `code` is the spec's."""
+
+    def __init__(self, code: int, msg: str, details: str = "") -> None:
+        super().__init__(msg)
+        self.code = code
+        self.msg = msg
+        self.details = details
+
+
+@dataclass(frozen=True)
+class ShimCall:
+    command: str
+    cni_version: str = "1.1.0"
+    origin: str = ""  # the runtime's network name
+    network: str = ""  # the agent's network; "" = its default
+    container_id: str = ""
+    netns: str = ""
+    ifname: str = ""
+    args: tuple[tuple[str, str], ...] = ()
+    capabilities: Mapping[str, Any] = field(default_factory=dict)
+    valid: frozenset[tuple[str, str]] = frozenset()
+
+
+def command_of(env: Mapping[str, str]) -> str:
+    return env.get("CNI_COMMAND", "")
+
+
+def error_answer(code: int, msg: str, details: str = "", version: str = "1.1.0") -> Answer:
+    doc: dict[str, Any] = {"cniVersion": version, "code": code, "msg": msg}
+    if details:
+        doc["details"] = details
+    return Answer(1, json.dumps(doc), code)
+
+
+def version_answer(version: str = "1.1.0") -> Answer:
+    return Answer(0, json.dumps({"cniVersion": version,
+                                 "supportedVersions": list(SUPPORTED_VERSIONS)}))
+
+
+# --- parsing ------------------------------------------------------------------------
+
+
+def _env(env: Mapping[str, str], name: str, required: bool) -> str:
+    value = env.get(name, "")
+    if required and not value:
+        raise Refusal(CODE_INVALID_ENV, f"{name} is not set")
+    if len(value) > MAX_ENV_VALUE:
+        raise Refusal(CODE_INVALID_ENV, f"{name} is longer than {MAX_ENV_VALUE} characters")
+    return value
+
+
+def parse_cni_args(text: str) -> tuple[tuple[str, str], ...]:
+    """CNI_ARGS `K=V;K2=V2` as pairs, in order (checked again like Setup's args)."""
+    pairs = []
+    for item in filter(None, text.split(";")):
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise Refusal(CODE_INVALID_ENV, f"CNI_ARGS: {item[:60]!r} is not KEY=VALUE")
+        pairs.append((key, value))
+    return tuple(pairs)
+
+
+def _valid_attachments(conf: Mapping[str, Any]) -> frozenset[tuple[str, str]]:
+    raw = conf.get(VALID_ATTACHMENTS_KEY, conf.get(LEGACY_ATTACHMENTS_KEY, []))
+    if not isinstance(raw, list):
+        raise Refusal(CODE_INVALID_CONFIG, f"{VALID_ATTACHMENTS_KEY} must be a list")
+    out = set()
+    for item in raw:
+        if not isinstance(item, dict) or not isinstance(item.get("containerID"), str) \
+                or not isinstance(item.get("ifname"), str):
+            raise Refusal(CODE_INVALID_CONFIG, f"{VALID_ATTACHMENTS_KEY}: each entry needs "
+                                               "string containerID and ifname")
+        out.add((item["containerID"], item["ifname"]))
+    return frozenset(out)
+
+
+def parse_call(env: Mapping[str, str], config: str) -> ShimCall:
+    """The request as the shim received it, checked; raises Refusal."""
+    command = command_of(env)
+    if command not in COMMANDS:
+        raise Refusal(CODE_INVALID_ENV, (f"CNI_COMMAND {command!r} is not one of "
+                                         + ", ".join(COMMANDS)) if command else "CNI_COMMAND is not set")
+    if len(config) > MAX_CONFIG:
+        raise Refusal(CODE_INVALID_CONFIG, f"the network configuration is larger than {MAX_CONFIG} bytes")
+    try:
+        conf = json.loads(config)
+    except (ValueError, RecursionError) as e:
+        raise Refusal(CODE_DECODE_FAILURE, f"the network configuration is not valid JSON: {e}") from None
+    if not isinstance(conf, dict):
+        raise Refusal(CODE_DECODE_FAILURE, "the network configuration is not a JSON object")
+    version = conf.get("cniVersion")
+    if version not in SUPPORTED_VERSIONS:
+        raise Refusal(CODE_INCOMPATIBLE_VERSION,
+                      f"cniVersion {version!r} is not supported by {SHIM_TYPE}",
+                      "supported: " + ", ".join(SUPPORTED_VERSIONS))
+    if command == "VERSION":
+        return ShimCall(command, version)
+    origin, network = conf.get("name"), conf.get("network", "")
+    if not isinstance(origin, str) or not origin:
+        raise Refusal(CODE_INVALID_CONFIG, 'the network configuration has no "name"')
+    if not isinstance(network, str):
+        raise Refusal(CODE_INVALID_CONFIG, '"network" must be a string (an agent network name)')
+    call = ShimCall(command, version, origin, network)
+    if command == "STATUS":
+        return call
+    if command == "GC":
+        return ShimCall(command, version, origin, network, valid=_valid_attachments(conf))
+    caps = conf.get("runtimeConfig", {})
+    if not isinstance(caps, dict):
+        raise Refusal(CODE_INVALID_CONFIG, '"runtimeConfig" must be a JSON object')
+    if command == "ADD" and "prevResult" in conf:
+        raise Refusal(CODE_INVALID_CONFIG, f"{SHIM_TYPE} must be the first plugin of its list "
+                                           "(it got a prevResult)")
+    return ShimCall(
+        command, version, origin, network,
+        container_id=_env(env, "CNI_CONTAINERID", True),
+        netns=_env(env, "CNI_NETNS", command != "DEL"),
+        ifname=_env(env, "CNI_IFNAME", True),
+        args=parse_cni_args(_env(env, "CNI_ARGS", False)),
+        capabilities=caps,
+    )
+
+
+# --- answering ----------------------------------------------------------------------
+
+
+def _causes(e: BaseException) -> Iterator[BaseException]:
+    """`e` and what it was raised from, each once (`raise x from x` makes a loop)."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        yield cur
+        cur = cur.__cause__
+
+
+def _plugin_error(e: BaseException) -> PluginError | None:
+    return next((c for c in _causes(e) if isinstance(c, PluginError)), None)
+
+
+def _invalid_argument(e: BaseException) -> InvalidArgument | None:
+    return next((c for c in _causes(e) if isinstance(c, InvalidArgument)), None)
+
+
+def failure_answer(call: ShimCall, e: BaseException) -> Answer:
+    """The agent's error as the CNI error a runtime acts on."""
+    v = call.cni_version
+    inner = _plugin_error(e)
+    if inner is not None:
+        return error_answer(inner.code, inner.msg,
+                            inner.details or f"from plugin {inner.plugin} ({inner.verb})", v)
+    err = classify(e)
+    bad = _invalid_argument(e)
+    if bad is not None:
+        env = _ENV_FIELDS.get(bad.field)
+        if env:
+            return error_answer(CODE_INVALID_ENV, f"{env}: {bad.reason}", version=v)
+        return error_answer(CODE_INVALID_CONFIG, err.message, version=v)
+    if err.kind in (ErrorKind.NOT_READY, ErrorKind.BUSY, ErrorKind.SHUTTING_DOWN):
+        return error_answer(CODE_TRY_AGAIN_LATER, err.message, version=v)
+    if err.kind is ErrorKind.NOT_FOUND:
+        code = CODE_UNKNOWN_CONTAINER if call.command == "CHECK" else CODE_INVALID_CONFIG
+        return error_answer(code, err.message, version=v)
+    if err.kind is ErrorKind.INVALID_ARGUMENT:
+        return error_answer(CODE_INVALID_CONFIG, err.message, version=v)
+    return error_answer(CODE_INTERNAL, err.message, version=v)
+
+
+class ShimCalls:
+    """Serves `CNICall`: one method for every verb of the shim."""
+
+    def __init__(self, attachments: Attachments, monitor: Monitor,
+                 on_call: Callable[[str, int], None] = lambda command, code: None) -> None:
+        self.attachments = attachments
+        self.monitor = monitor
+        self._on_call = on_call  # (command, 0 or the CNI error code): metrics
+
+    async def handle(self, env: Mapping[str, str], config: str) -> Answer:
+        try:
+            call = parse_call(env, config)
+        except Refusal as r:
+            answer = error_answer(r.code, r.msg, r.details)
+        else:
+            try:
+                answer = await self._run(call)
+            except (AgentError, CNIError) as e:
+                answer = failure_answer(call, e)
+        self._on_call(command_of(env) if command_of(env) in COMMANDS else "invalid",
+                      answer.code)
+        return answer
+
+    async def _run(self, call: ShimCall) -> Answer:
+        if call.command == "VERSION":
+            return version_answer(call.cni_version)
+        if call.command == "STATUS":
+            reason = self.monitor.unready_reason(call.network)
+            if reason:
+                return error_answer(CODE_NOT_AVAILABLE, reason, version=call.cni_version)
+            return Answer(0, "")
+        if call.command == "GC":
+            errors = await self.attachments.collect(call.origin, call.valid)
+            if errors:
+                return error_answer(CODE_INTERNAL, f"GC finished with {len(errors)} error(s)",
+                                    "; ".join(errors[:5]), call.cni_version)
+            return Answer(0, "")
+        if call.command == "DEL":
+            await self.attachments.detach(call.container_id, call.netns, call.network,
+                                          call.ifname, call.origin)
+            return Answer(0, "")
+        if call.command == "CHECK":
+            await self.attachments.check(call.container_id, call.netns, call.network,
+                                         call.ifname, call.origin)
+            return Answer(0, "")
+        doc = await self.attachments.attach(AttachRequest(
+            call.container_id, call.netns, call.network, call.ifname, call.args,
+            call.capabilities, call.origin))
+        result = doc["attachments"][0]["result"]
+        return Answer(0, json.dumps(convert_result(result, call.cni_version)))

@@ -1,0 +1,287 @@
+"""cni-agent-shim driven exactly as libcni drives a plugin, against a real agent,
+the reference plugins and real namespaces: every verb, several networks on one
+container, a runtime's GC, readiness, and the error codes a runtime acts on."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import unique_name
+from tests.daemon.conftest import plug
+from tests.support.agent import Agent
+from tests.support.net import addresses, allocations, delete_link
+from tests.support.plugins import Control, conflist, wait_for, write_conf
+from tests.support.shim import SHIM, readable_shim, run_shim, shim_conf
+
+pytestmark = pytest.mark.root
+
+
+@pytest.fixture
+def bridges(tmp_path: Path) -> Iterator[Callable[..., str]]:
+    """Agent networks: bridge + host-local, each with its own bridge and subnet."""
+    made: list[str] = []
+
+    def write(name: str, subnet: str, version: str = "1.0.0",
+              extra: list[dict[str, Any]] | None = None) -> str:
+        br = unique_name("cas")
+        made.append(br)
+        plugins = [{"type": "bridge", "bridge": br, "isGateway": True, "ipMasq": False,
+                    "ipam": {"type": "host-local", "subnet": subnet,
+                             "dataDir": str(tmp_path / "ipam")}}, *(extra or [])]
+        write_conf(tmp_path / "net.d", f"10-{name}.conflist", conflist(name, plugins, version))
+        return name
+
+    yield write
+    for br in made:
+        delete_link(br)
+
+
+def ipam(tmp_path: Path, network: str) -> list[str]:
+    return allocations(tmp_path / "ipam", network)
+
+
+def test_the_shim_is_built() -> None:
+    assert SHIM.is_file() and os.access(SHIM, os.X_OK), "make builds build/cni-agent-shim"
+
+
+def test_every_verb_as_libcni_runs_it(
+    make_agent: Callable[..., Agent], bridges: Callable[..., str], netns: str, tmp_path: Path,
+) -> None:
+    bridges("podnet", "10.241.0.0/24")
+    agent = make_agent()
+    bus = agent.bus.address
+    conf = shim_conf("pods", "podnet")
+
+    version = run_shim(bus, "VERSION", conf)
+    assert version.rc == 0 and "1.1.0" in version.out["supportedVersions"]
+    assert run_shim(bus, "STATUS", conf).rc == 0
+
+    add = run_shim(bus, "ADD", conf, cid="ctr1", netns=netns, ifname="eth0",
+                   args="IgnoreUnknown=1;K8S_POD_NAME=web")
+    assert add.rc == 0, add
+    assert add.out["cniVersion"] == "1.1.0"
+    address = add.out["ips"][0]["address"]
+    assert addresses(netns) == [address]
+    assert ipam(tmp_path, "podnet") == [address.split("/")[0]]
+    assert agent.call("ListSandboxes")[0] == ["ctr1"]
+    listed = subprocess.run([sys.executable, "-m", "cni_agent", "--bus", bus, "list"],
+                            capture_output=True, text=True)
+    assert listed.stdout.split() == ["ctr1"], listed.stderr
+
+    check = run_shim(bus, "CHECK", {**conf, "prevResult": add.out}, cid="ctr1", netns=netns)
+    assert check.rc == 0 and check.out is None, check
+
+    delete = run_shim(bus, "DEL", {**conf, "prevResult": add.out}, cid="ctr1", netns=netns)
+    assert delete.rc == 0 and delete.out is None, delete
+    assert addresses(netns) == [] and ipam(tmp_path, "podnet") == []
+    assert agent.call("ListSandboxes")[0] == []
+    # The spec's DEL rules: again, and with the namespace gone, are successes.
+    assert run_shim(bus, "DEL", conf, cid="ctr1", netns=netns).rc == 0
+    assert run_shim(bus, "DEL", conf, cid="ctr1", netns="").rc == 0
+    # CHECK of what is not there is "unknown container".
+    assert run_shim(bus, "CHECK", conf, cid="ctr1", netns=netns).code == 3
+
+
+def test_the_result_comes_back_in_the_callers_cni_version(
+    make_agent: Callable[..., Agent], bridges: Callable[..., str], netns: str,
+) -> None:
+    bridges("podnet", "10.242.0.0/24", version="1.0.0")
+    agent = make_agent()
+    add = run_shim(agent.bus.address, "ADD", shim_conf("old", "podnet", "0.3.1"), cid="c",
+                   netns=netns)
+    assert add.rc == 0, add
+    assert add.out["cniVersion"] == "0.3.1"
+    assert add.out["ips"][0]["version"] == "4"  # the 0.3.x shape
+    assert run_shim(agent.bus.address, "DEL", shim_conf("old", "podnet", "0.3.1"), cid="c",
+                    netns=netns).rc == 0
+
+
+def test_several_networks_on_one_container_are_added_and_removed_one_by_one(
+    make_agent: Callable[..., Agent], bridges: Callable[..., str], netns: str, tmp_path: Path,
+) -> None:
+    bridges("red", "10.243.0.0/24")
+    bridges("blue", "10.244.0.0/24")
+    agent = make_agent()
+    bus = agent.bus.address
+    red, blue = shim_conf("pods-red", "red"), shim_conf("pods-blue", "blue")
+    a = run_shim(bus, "ADD", red, cid="ctr", netns=netns, ifname="eth0")
+    b = run_shim(bus, "ADD", blue, cid="ctr", netns=netns, ifname="net1")
+    assert a.rc == b.rc == 0, (a, b)
+    assert len(addresses(netns)) == len(addresses(netns, "net1")) == 1
+    shown = json.loads(agent.call("Show", "s", "ctr")[0])
+    assert [(x["network"], x["ifname"]) for x in shown["attachments"]] == [
+        ("red", "eth0"), ("blue", "net1")]
+    # The runtime DELs each network; the other stays until its own DEL.
+    assert run_shim(bus, "DEL", red, cid="ctr", netns=netns, ifname="eth0").rc == 0
+    assert addresses(netns) == [] and ipam(tmp_path, "red") == []
+    assert len(ipam(tmp_path, "blue")) == 1 and len(addresses(netns, "net1")) == 1
+    # A DEL from one runtime network never removes what another one made.
+    assert run_shim(bus, "DEL", red, cid="ctr", netns=netns, ifname="net1").rc == 0
+    assert len(ipam(tmp_path, "blue")) == 1
+    assert run_shim(bus, "DEL", blue, cid="ctr", netns=netns, ifname="net1").rc == 0
+    assert ipam(tmp_path, "blue") == [] and agent.call("ListSandboxes")[0] == []
+
+
+def test_gc_removes_only_what_this_runtime_network_made_and_no_longer_lists(
+    make_agent: Callable[..., Agent], bridges: Callable[..., str],
+    netns_factory: Callable[[], str], tmp_path: Path,
+) -> None:
+    bridges("podnet", "10.245.0.0/24")
+    agent = make_agent()
+    bus = agent.bus.address
+    conf, other = shim_conf("pods", "podnet"), shim_conf("other-runtime", "podnet")
+    spaces = {cid: netns_factory() for cid in ("c1", "c2", "c3", "c4", "setup")}
+    for cid in ("c1", "c2", "c3"):
+        assert run_shim(bus, "ADD", conf, cid=cid, netns=spaces[cid]).rc == 0
+    assert run_shim(bus, "ADD", other, cid="c4", netns=spaces["c4"]).rc == 0
+    agent.setup("setup", spaces["setup"])
+    assert len(ipam(tmp_path, "podnet")) == 5
+
+    gc = run_shim(bus, "GC", {**conf, "cni.dev/valid-attachments": [
+        {"containerID": "c1", "ifname": "eth0"}]})
+    assert gc.rc == 0, gc
+    assert agent.call("ListSandboxes")[0] == ["c1", "c4", "setup"]
+    assert addresses(spaces["c2"]) == addresses(spaces["c3"]) == []
+    assert len(ipam(tmp_path, "podnet")) == 3
+    # A D-Bus GarbageCollect lists Setup's sandboxes: the runtime's are not its to remove.
+    agent.call("GarbageCollect", "as", "0")
+    assert agent.call("ListSandboxes")[0] == ["c1", "c4"]
+    assert len(addresses(spaces["c1"])) == len(addresses(spaces["c4"])) == 1
+
+
+def test_status_follows_readiness_and_a_stopped_agent_is_try_again_later(
+    make_agent: Callable[..., Agent], testnet: Callable[..., Path], control: Control,
+) -> None:
+    testnet("podnet")
+    agent = make_agent()
+    bus = agent.bus.address
+    conf = shim_conf("pods", "podnet")
+    assert run_shim(bus, "STATUS", conf).rc == 0
+    control.set("STATUS", "fail", code=50, msg="the uplink is down")
+    wait_for(lambda: agent.prop("NetworkReady") is False)
+    status = run_shim(bus, "STATUS", conf)
+    assert status.code == 50 and "the uplink is down" in status.out["msg"], status
+    # A STATUS of the default network ("network" absent) is the same answer.
+    assert run_shim(bus, "STATUS", shim_conf("pods")).code == 50
+    control.clear("STATUS")
+    wait_for(lambda: agent.prop("NetworkReady") is True)
+    assert run_shim(bus, "STATUS", conf).rc == 0
+    unknown = run_shim(bus, "STATUS", shim_conf("pods", "nosuchnet"))
+    assert unknown.code == 50 and "network nosuchnet not found" in unknown.out["msg"]
+
+    agent.stop()
+    gone = run_shim(bus, "STATUS", conf)
+    assert gone.code == 11, gone
+    assert gone.out["msg"] == "cni-agent is not running: systemctl start cni-agent"
+
+
+def test_a_plugins_error_reaches_the_runtime_unchanged_and_nothing_is_left(
+    make_agent: Callable[..., Agent], bridges: Callable[..., str], control: Control,
+    netns: str, tmp_path: Path,
+) -> None:
+    bridges("podnet", "10.246.0.0/24", extra=[plug(control)])
+    agent = make_agent()
+    control.set("ADD", "fail", code=7, msg="bad subnet", details="10.0.0.0/33")
+    add = run_shim(agent.bus.address, "ADD", shim_conf("pods", "podnet"), cid="c", netns=netns)
+    assert add.rc == 1
+    assert (add.out["code"], add.out["msg"], add.out["details"]) == (7, "bad subnet", "10.0.0.0/33")
+    assert addresses(netns) == [] and ipam(tmp_path, "podnet") == []  # rolled back
+    assert agent.call("ListSandboxes")[0] == []
+
+
+def test_bad_requests_get_the_specs_codes_and_change_nothing(
+    make_agent: Callable[..., Agent], bridges: Callable[..., str], netns: str, tmp_path: Path,
+) -> None:
+    bridges("podnet", "10.247.0.0/24")
+    agent = make_agent()
+    bus = agent.bus.address
+    conf = shim_conf("pods", "podnet")
+    cases = [
+        (run_shim(bus, "ADD", conf, cid="", netns=netns), 4, "CNI_CONTAINERID is not set"),
+        (run_shim(bus, "ADD", conf, cid="c", netns=""), 4, "CNI_NETNS is not set"),
+        (run_shim(bus, "ADD", conf, cid="bad/id", netns=netns), 4, "CNI_CONTAINERID"),
+        (run_shim(bus, "ADD", conf, cid="c", netns=netns, args="novalue"), 4, "CNI_ARGS"),
+        (run_shim(bus, "ADD", conf, cid="c", netns="/etc/hostname"), 4, "CNI_NETNS"),
+        (run_shim(bus, "ADD", shim_conf("pods", "nosuchnet"), cid="c", netns=netns), 7,
+         "network nosuchnet not found"),
+        (run_shim(bus, "ADD", "{not json", cid="c", netns=netns), 6, "not valid JSON"),
+        (run_shim(bus, "ADD", shim_conf("pods", "podnet", "0.2.0"), cid="c", netns=netns), 1,
+         "cniVersion"),
+        (run_shim(bus, "ADD", {**conf, "prevResult": {"cniVersion": "1.1.0"}}, cid="c",
+                  netns=netns), 7, "first plugin"),
+    ]
+    for reply, code, text in cases:
+        assert reply.rc == 1 and reply.code == code and text in reply.out["msg"], reply
+    assert agent.call("ListSandboxes")[0] == [] and ipam(tmp_path, "podnet") == []
+
+
+def test_callers_outside_the_group_may_ask_status_but_not_add(
+    make_agent: Callable[..., Agent], bridges: Callable[..., str], netns: str, tmp_path: Path,
+) -> None:
+    bridges("podnet", "10.248.0.0/24")
+    agent = make_agent()
+    shim = readable_shim()
+    conf = shim_conf("pods", "podnet")
+    assert run_shim(agent.bus.address, "STATUS", conf, user="nobody", binary=shim).rc == 0
+    add = run_shim(agent.bus.address, "ADD", conf, cid="c", netns=netns, user="nobody",
+                   binary=shim)
+    assert add.code == 999 and "cni-agent group" in add.out["msg"], add
+    assert ipam(tmp_path, "podnet") == [] and agent.call("ListSandboxes")[0] == []
+
+
+def test_an_agent_network_that_contains_the_shim_is_refused(
+    make_agent: Callable[..., Agent], bridges: Callable[..., str], tmp_path: Path,
+) -> None:
+    bridges("podnet", "10.249.0.0/24")
+    write_conf(tmp_path / "net.d", "05-loop.conflist",
+               conflist("loop", [{"type": "cni-agent-shim", "network": "podnet"}]))
+    (tmp_path / "bin").mkdir(exist_ok=True)
+    os.symlink(SHIM, tmp_path / "bin" / "cni-agent-shim")
+    agent = make_agent()
+    assert agent.prop("Networks") == ["podnet"]
+    assert "would call itself" in agent.prop("Status")
+    assert run_shim(agent.bus.address, "STATUS", shim_conf("x", "loop")).code == 50
+
+
+def test_a_runtime_that_kills_the_shim_mid_add_leaves_a_whole_attachment_or_none(
+    make_agent: Callable[..., Agent], bridges: Callable[..., str], control: Control,
+    netns: str, tmp_path: Path,
+) -> None:
+    bridges("podnet", "10.250.0.0/24", extra=[plug(control)])
+    agent = make_agent()
+    control.set("ADD", "succeed", sleep=1.5)
+    env = {"PATH": os.environ["PATH"], "CNI_COMMAND": "ADD", "CNI_CONTAINERID": "c",
+           "CNI_NETNS": netns, "CNI_IFNAME": "eth0", "CNI_PATH": "/usr/lib/cni",
+           "DBUS_SYSTEM_BUS_ADDRESS": agent.bus.address}
+    proc = subprocess.Popen([str(SHIM)], stdin=subprocess.PIPE, env=env, text=True)
+    assert proc.stdin is not None
+    proc.stdin.write(json.dumps(shim_conf("pods", "podnet")))
+    proc.stdin.close()
+    wait_for(lambda: "ADD" in control.commands(), timeout=10)
+    proc.send_signal(signal.SIGKILL)  # the runtime's timeout
+    proc.wait()
+    # The agent finishes the ADD it started: the attachment is whole, and the
+    # runtime's DEL (it DELs after a failed ADD) removes it completely.
+    wait_for(lambda: shown_state(agent, "c") == "ready", timeout=15)
+    assert len(addresses(netns)) == 1 and len(ipam(tmp_path, "podnet")) == 1
+    control.clear("ADD")
+    assert run_shim(agent.bus.address, "DEL", shim_conf("pods", "podnet"), cid="c",
+                    netns=netns).rc == 0
+    assert addresses(netns) == [] and ipam(tmp_path, "podnet") == []
+    assert agent.call("ListSandboxes")[0] == []
+    assert not list((tmp_path / "run" / "locks").glob("*"))
+
+
+def shown_state(agent: Agent, sid: str) -> str | None:
+    out = agent.busctl("--json=short", "call", "org.cniagent.Agent1", "/org/cniagent/Agent1",
+                       "org.cniagent.Agent1", "Show", "s", sid, check=False)
+    return json.loads(json.loads(out.stdout)["data"][0])["state"] if out.returncode == 0 else None
