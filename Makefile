@@ -25,13 +25,11 @@ $(STAMP): pyproject.toml
 
 # The CNI plugin runtimes exec: C on libsystemd's sd-bus (see shim/cni-agent-shim.c).
 SHIM := build/cni-agent-shim
-CFLAGS ?= -O2 -g
-SHIM_CFLAGS := -Wall -Wextra -Werror -std=c11 $(CFLAGS)
 shim: $(SHIM)
 
-$(SHIM): shim/cni-agent-shim.c | system
+$(SHIM): shim/cni-agent-shim.c shim/Makefile | system
 	@mkdir -p build
-	$(CC) $(SHIM_CFLAGS) $(CPPFLAGS) -o $@ $< $(LDFLAGS) $$(pkg-config --cflags --libs libsystemd)
+	$(MAKE) -s -C shim OUT=$(CURDIR)/$(SHIM) EXTRA_CFLAGS=-Werror
 
 lint: setup
 	$(VENV)/bin/ruff check . tools/test-systemd

@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from bench import concurrency, detection, footprint, overhead, real_plugins
+from bench import concurrency, detection, footprint, overhead, real_plugins, shim
 
 BENCHMARKS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "overhead": overhead.run,
+    "shim": shim.run,
     "real_plugins": real_plugins.run,
     "concurrency": concurrency.run,
     "detection": detection.run,

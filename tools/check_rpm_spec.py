@@ -11,13 +11,14 @@
    shows where each was used and with what. On a host that has the real
    macros only the path macros are pinned.
 2. Any error or warning from rpmspec fails the check.
-3. The parsed spec must have pyproject.toml's Version, BuildArch noarch, the
+3. The parsed spec must have pyproject.toml's Version, no BuildArch noarch, the
    systemd scriptlets for cni-agent.service, `%config(noreplace)` on every
    file under /etc, and a %files section that lists every file the DEB
    installs: read from a built .deb with --deb FILE, else derived from
    packaging/debian (cni-agent.install, .dirs, .docs, the unit, sysusers
    and tmpfiles files dh installs) and pyproject.toml (console scripts,
-   Python packages). Paths map /lib -> /usr/lib (Fedora is usr-merged); the
+   Python packages). Paths map /lib -> /usr/lib (Fedora is usr-merged) and /usr/lib/cni ->
+   /usr/libexec/cni (each distribution's plugin directory); the
    Python package must be in %pyproject_save_files, documentation must be
    %doc; the Debian-only /usr/share/doc/cni-agent/{copyright,changelog.gz}
    are not compared.
@@ -49,6 +50,7 @@ FEDORA_RELEASES = (41, 42)
 PATH_MACROS = {
     "_prefix": "/usr",
     "_bindir": "/usr/bin",
+    "_libexecdir": "/usr/libexec",
     "_datadir": "/usr/share",
     "_sysconfdir": "/etc",
     "_localstatedir": "/var",
@@ -81,6 +83,7 @@ DEBIAN_ONLY = re.compile(r"^/usr/share/doc/cni-agent/(copyright|changelog(\.Debi
 # Other documentation: the RPM lists it with %doc NAME (dh_compress may add .gz).
 DOC_DIR = "/usr/share/doc/cni-agent/"
 DIST_PACKAGES = "/usr/lib/python3/dist-packages/"
+DEBIAN_CNI, FEDORA_CNI = "/usr/lib/cni/", "/usr/libexec/cni/"
 FILES_DIRECTIVE = re.compile(r"^%(dir|doc|license|ghost|config|attr|verify|defattr)\b(\([^)]*\))?\s*")
 
 
@@ -219,6 +222,8 @@ def deb_paths_from_deb(deb: Path) -> tuple[set[str], set[str], set[str]]:
 
 
 def rpm_path(deb_path: str) -> str:
+    if deb_path.startswith(DEBIAN_CNI):  # each distribution's CNI plugin directory
+        return FEDORA_CNI + deb_path[len(DEBIAN_CNI):]
     return "/usr" + deb_path if deb_path.startswith(("/lib/", "/bin/", "/sbin/")) else deb_path
 
 
@@ -234,8 +239,8 @@ def check_parsed(parsed: str, fedora: int, deb: Path | None) -> list[str]:
     if not m or m.group(1) != project["version"]:
         problems.append(f"{where}: Version {m.group(1) if m else '(none)'} is not pyproject.toml's "
                         f"{project['version']}")
-    if not re.search(r"^BuildArch:\s*noarch\s*$", preamble, re.M):
-        problems.append(f"{where}: BuildArch is not noarch")
+    if re.search(r"^BuildArch:\s*noarch\s*$", preamble, re.M):
+        problems.append(f"{where}: BuildArch is noarch, but the package has the compiled shim")
     for section, macro in (("post", "systemd_post"), ("preun", "systemd_preun"),
                            ("postun", "systemd_postun_with_restart")):
         body = "\n".join(secs.get(section, []))

@@ -17,6 +17,9 @@ from tests.conftest import unique_name
 from tests.support.agent import REPO, Bus, NotifySocket
 from tests.support.net import addresses, allocations, delete_link
 from tests.support.plugins import wait_for
+from tests.support.shim import run_shim, shim_conf
+
+INSTALLED_SHIM = "/usr/lib/cni/cni-agent-shim"
 
 pytestmark = [pytest.mark.root,
               pytest.mark.skipif(shutil.which("dpkg") is None, reason="needs a Debian system")]
@@ -32,6 +35,7 @@ EXPECTED = [
     "/usr/lib/sysusers.d/cni-agent.conf",
     "/usr/lib/tmpfiles.d/cni-agent.conf",
     "/etc/cni-agent/agent.yaml",
+    "/usr/lib/cni/cni-agent-shim",  # where Debian's runtimes look for plugins
     "/usr/lib/python3/dist-packages/cni_agent/daemon.py",
 ]
 
@@ -118,6 +122,14 @@ def test_installed_agent_runs_on_debians_python(installed: list[str], tmp_path: 
         teardown = _run(*busctl, "call", *obj, "Teardown", "ssa{sv}", "deb1", netns, "0")
         assert teardown.returncode == 0, teardown.stderr
         assert allocations(tmp_path / "ipam", "debnet") == []
+        # The installed shim, exec'd as a runtime execs it, against the installed agent.
+        pods = shim_conf("pods", "debnet", "1.0.0")
+        add = run_shim(bus.address, "ADD", pods, cid="deb2", netns=netns, binary=INSTALLED_SHIM)
+        assert add.rc == 0, add
+        assert addresses(netns) == [add.out["ips"][0]["address"]]
+        assert run_shim(bus.address, "DEL", pods, cid="deb2", netns=netns,
+                        binary=INSTALLED_SHIM).rc == 0
+        assert allocations(tmp_path / "ipam", "debnet") == [] and addresses(netns) == []
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(30) == 0
     finally:

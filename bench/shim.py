@@ -1,0 +1,122 @@
+"""2. cni-agent-shim: what a runtime pays per CNI call through the shim.
+
+Interleaved per round: ADD+DEL of one attachment (3 no-op C plugins) and a
+STATUS, each through the installed-style shim binary (exec'd with the CNI
+environment and stdin, as libcni does) and as the same CNICall from an
+in-process dbus-fast client (the agent's side alone). The shim's CPU is its
+own process's (user + system, from the kernel's accounting of the reaped
+child); the agent's work is the same in both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import resource
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any
+
+from bench.harness import CallFailed, Client, Lab, conflist, ms_since
+from bench.report import figure, result
+from tests.support.plugins import write_conf
+from tests.support.shim import SHIM
+
+GOAL_EXTRA_MS, GOAL_CPU_MS, GOAL_STATUS_MS = 10.0, 8.0, 10.0
+SID = "bench-shim"
+
+
+def _children_cpu_ms() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (r.ru_utime + r.ru_stime) * 1000
+
+
+def run(smoke: bool) -> dict[str, Any]:
+    rounds, warmup = (1, 0) if smoke else (200, 10)
+    with asyncio.Runner() as runner, Lab("shim") as lab:
+        lab.noop()
+        write_conf(lab.conf_dir, "10-noop.conflist",
+                   conflist("noopchain", [{"type": "noop"}] * 3, "1.0.0"))
+        agent = lab.agent()
+        client = runner.run(Client.connect(lab.bus.address))
+        lab.cleanups.append(client.close)
+        assert runner.run(client.call("WaitReady", "d", [10.0])) == [True], agent.log()
+        ns = lab.netns.add()
+        config = json.dumps({"cniVersion": "1.0.0", "name": "pods", "type": "cni-agent-shim",
+                             "network": "noopchain"})
+        status_config = config.replace('"1.0.0"', '"1.1.0"')
+        base = {"PATH": os.environ["PATH"], "DBUS_SYSTEM_BUS_ADDRESS": lab.bus.address,
+                "CNI_PATH": "/usr/lib/cni"}
+        call_env = {"CNI_CONTAINERID": SID, "CNI_NETNS": ns, "CNI_IFNAME": "eth0"}
+        cpu: dict[str, list[float]] = {"shim_pair": [], "shim_status": []}
+
+        def shim(command: str, stdin: str, into: str) -> None:
+            env = {**base, "CNI_COMMAND": command, **(call_env if command != "STATUS" else {})}
+            before = _children_cpu_ms()
+            out = subprocess.run([str(SHIM)], input=stdin, env=env, capture_output=True, text=True)
+            cpu[into].append(_children_cpu_ms() - before)
+            if out.returncode != 0:
+                raise CallFailed(f"shim {command}: {out.stdout} {out.stderr}")
+
+        async def cnicall(command: str, stdin: str) -> None:
+            env = {"CNI_COMMAND": command, **(call_env if command != "STATUS" else {})}
+            status, output = await client.call("CNICall", "a{ss}s", [env, stdin])
+            if status != 0:
+                raise CallFailed(f"CNICall {command}: {output}")
+
+        async def direct_pair() -> None:
+            await cnicall("ADD", config)
+            await cnicall("DEL", config)
+
+        def shim_pair() -> None:
+            shim("ADD", config, "shim_pair")
+            shim("DEL", config, "shim_pair")
+
+        ways: dict[str, Callable[[], Any]] = {
+            "direct_pair": lambda: runner.run(direct_pair()),
+            "shim_pair": shim_pair,
+            "direct_status": lambda: runner.run(cnicall("STATUS", status_config)),
+            "shim_status": lambda: shim("STATUS", status_config, "shim_status"),
+        }
+        samples: dict[str, list[float]] = {name: [] for name in ways}
+        order = list(ways)
+        for i in range(warmup + rounds):
+            k = i % len(order)
+            for name in order[k:] + order[:k]:
+                t0 = time.perf_counter()
+                ways[name]()
+                if i >= warmup:
+                    samples[name].append(ms_since(t0))
+            if i < warmup:
+                for c in cpu.values():
+                    c.clear()
+    return _report(samples, cpu)
+
+
+def _report(s: dict[str, list[float]], cpu: dict[str, list[float]]) -> dict[str, Any]:
+    # Per invocation: a pair is two shim runs (ADD, DEL).
+    extra = [(a - b) / 2 for a, b in zip(s["shim_pair"], s["direct_pair"], strict=True)]
+    status_extra = [a - b for a, b in zip(s["shim_status"], s["direct_status"], strict=True)]
+    add_del_cpu = cpu["shim_pair"]
+    median_cpu = statistics.median(add_del_cpu + cpu["shim_status"])
+    figures = [
+        figure("shim.add_del.direct", s["direct_pair"],
+               note="ADD+DEL as CNICall from dbus-fast (the agent's side alone)"),
+        figure("shim.add_del", s["shim_pair"], note="ADD+DEL, each an exec of cni-agent-shim"),
+        figure("shim.extra", extra, goal=f"goal ≤ {GOAL_EXTRA_MS:g} ms per invocation",
+               passed=statistics.median(extra) <= GOAL_EXTRA_MS,
+               note="wall the shim adds per invocation (paired, (shim - direct) / 2)"),
+        figure("shim.cpu", add_del_cpu + cpu["shim_status"],
+               goal=f"goal ≤ {GOAL_CPU_MS:g} ms per invocation", passed=median_cpu <= GOAL_CPU_MS,
+               note="the shim process's own CPU (user + system) per invocation"),
+        figure("shim.status", s["shim_status"], goal=f"goal ≤ {GOAL_STATUS_MS:g} ms",
+               passed=statistics.median(s["shim_status"]) <= GOAL_STATUS_MS,
+               note="a runtime's STATUS through the shim, exec to exit"),
+        figure("shim.status.direct", s["direct_status"], note="the same CNICall from dbus-fast"),
+        figure("shim.status.extra", status_extra, note="paired, shim minus direct"),
+    ]
+    return result(figures, ["shim: cni-agent-shim (C, sd-bus) exec'd as libcni does; 3 no-op C "
+                            "plugins, one netns; CPU from RUSAGE_CHILDREN of each reaped shim"])

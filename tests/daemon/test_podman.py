@@ -1,0 +1,70 @@
+"""podman, unmodified, on a conflist whose plugin is cni-agent-shim: the
+container gets its address from the agent, and `podman rm -f` releases it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import unique_name
+from tests.support.agent import Agent, Bus
+from tests.support.net import addresses, allocations, delete_link
+from tests.support.plugins import conflist, write_conf
+from tests.support.podman import Podman
+
+pytestmark = pytest.mark.root
+
+
+@pytest.fixture
+def podman(system_bus: Bus) -> Iterator[Podman]:
+    # podman refuses a runroot longer than 50 characters: not under tmp_path.
+    p = Podman(Path(tempfile.mkdtemp(prefix="cni-agent-podman-")), system_bus.address)
+    yield p
+    p.close()
+
+
+def cli(agent: Agent, *args: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "cni_agent", "--bus", agent.bus.address, *args],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_a_podman_container_gets_its_address_from_the_agent(
+    make_agent: Callable[..., Agent], podman: Podman, tmp_path: Path,
+) -> None:
+    bridge = unique_name("capm")
+    write_conf(tmp_path / "net.d", "10-podnet.conflist", conflist("podnet", [
+        {"type": "bridge", "bridge": bridge, "isGateway": True, "ipMasq": False,
+         "ipam": {"type": "host-local", "subnet": "10.238.0.0/24",
+                  "dataDir": str(tmp_path / "ipam")}}], "1.0.0"))
+    agent = make_agent()
+    # The conflist a user would paste: what `cni-agent shim-config` prints.
+    (podman.net_dir / "pods.conflist").write_text(
+        cli(agent, "shim-config", "--network", "podnet", "--name", "pods"))
+    try:
+        cid = podman("run", "-d", "--name", "web", "--network", "pods",
+                     "--rootfs", str(podman.rootfs), "/bin/sleep", "600").stdout.strip()
+        netns = podman("inspect", "-f", "{{.NetworkSettings.SandboxKey}}", "web").stdout.strip()
+        inside = podman("exec", "web", "ip", "-4", "-o", "addr", "show", "eth0").stdout
+        [address] = addresses(netns)
+        assert address.split("/")[0] in inside
+        assert cli(agent, "list").split() == [cid]
+        shown = json.loads(agent.call("Show", "s", cid)[0])
+        assert shown["attachments"][0]["result"]["ips"][0]["address"] == address
+        assert allocations(tmp_path / "ipam", "podnet") == [address.split("/")[0]]
+
+        podman("rm", "--force", "--time", "0", "web")
+        assert cli(agent, "list").split() == []
+        assert allocations(tmp_path / "ipam", "podnet") == []
+        assert not os.path.exists(netns)
+    finally:
+        podman.close()
+        delete_link(bridge)
