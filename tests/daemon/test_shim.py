@@ -285,3 +285,21 @@ def shown_state(agent: Agent, sid: str) -> str | None:
     out = agent.busctl("--json=short", "call", "org.cniagent.Agent1", "/org/cniagent/Agent1",
                        "org.cniagent.Agent1", "Show", "s", sid, check=False)
     return json.loads(json.loads(out.stdout)["data"][0])["state"] if out.returncode == 0 else None
+
+
+def test_a_runtimes_del_after_an_agent_restart_still_finds_what_its_add_made(
+    make_agent: Callable[..., Agent], bridges: Callable[..., str], netns: str, tmp_path: Path,
+) -> None:
+    bridges("podnet", "10.251.0.0/24")
+    agent = make_agent()
+    conf = shim_conf("pods", "podnet")
+    assert run_shim(agent.bus.address, "ADD", conf, cid="c", netns=netns).rc == 0
+    agent.stop()
+    agent.start()
+    # The runtime network that made it is in the record: its DEL and GC still match.
+    assert run_shim(agent.bus.address, "DEL", shim_conf("other", "podnet"), cid="c",
+                    netns=netns).rc == 0
+    assert len(ipam(tmp_path, "podnet")) == 1
+    assert run_shim(agent.bus.address, "DEL", conf, cid="c", netns=netns).rc == 0
+    assert ipam(tmp_path, "podnet") == [] and addresses(netns) == []
+    assert agent.call("ListSandboxes")[0] == []
