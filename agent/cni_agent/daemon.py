@@ -43,12 +43,29 @@ class StartupError(Exception):
         self.exit_status = exit_status
 
 
+class _Bus(MessageBus):
+    """A connection that is finalized once.
+
+    dbus-fast (1.84 and 5.2 alike) finalizes a connection again whenever a send
+    fails after it broke (the reply to a call that was in flight when the bus
+    went away), and each time removes the loop's reader and writer of the fd
+    number its socket had. By then that number may belong to another file: a
+    plugin's pidfd, whose exit is then never seen — the plugin's reaper waits
+    forever and the agent never exits.
+    """
+
+    def _finalize(self, err: Exception | None = None) -> None:
+        if self._disconnected:
+            return
+        super()._finalize(err)
+
+
 async def connect(bus: str) -> MessageBus:
     if bus == "system":
-        return await MessageBus(bus_type=BusType.SYSTEM).connect()
+        return await _Bus(bus_type=BusType.SYSTEM).connect()
     if bus == "session":
-        return await MessageBus(bus_type=BusType.SESSION).connect()
-    return await MessageBus(bus_address=bus).connect()
+        return await _Bus(bus_type=BusType.SESSION).connect()
+    return await _Bus(bus_address=bus).connect()
 
 
 def _prepare_dirs(cfg: AgentConfig) -> None:

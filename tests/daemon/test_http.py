@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.agent import Agent
+from tests.support.agent import Agent, Bus
 from tests.support.plugins import Control
 
 PROMTOOL = shutil.which("promtool") or "/var/cache/cni-agent-tests/promtool/promtool"
@@ -166,3 +167,28 @@ def test_reaping_is_counted(http_agent: tuple[Agent, Path], netns: str) -> None:
     assert after[deleted] == before[deleted] + 1
     assert after[("cni_agent_sandboxes", ())] == 0
     assert agent.call("ListSandboxes") == [[]]
+
+
+def test_healthz_fails_once_the_bus_connection_is_gone(
+    make_agent: Callable[..., Agent], testnet: Callable[..., Path], control: Control,
+    tmp_path: Path, netns: str,
+) -> None:
+    """/healthz is 200 only while the bus connection is alive too: with the bus
+    gone and a Setup still finishing, it answers 503 until the agent exits."""
+    testnet()
+    bus = Bus("system")
+    try:
+        sock = tmp_path / "metrics.sock"
+        agent = make_agent(bus=bus, http={"listen": f"unix:{sock}"})
+        assert curl(sock, "/healthz") == (200, "ok\n")
+        control.set("ADD", "succeed", sleep=3.0)
+        inflight = agent.busctl_bg("Setup", "ssa{sv}", "inflight", netns, "0")
+        until(lambda: any(r["command"] == "ADD" for r in control.records()))
+        os.kill(bus.pid, signal.SIGKILL)
+        until(lambda: curl(sock, "/healthz")[0] == 503)
+        assert curl(sock, "/healthz") == (503, "the bus connection is gone\n")
+        assert agent.proc is not None and agent.proc.poll() is None  # still finishing the ADD
+        inflight.communicate(timeout=30)
+        assert agent.proc.wait(30) == 1  # lost the bus: exit non-zero for a restart
+    finally:
+        bus.stop()

@@ -149,3 +149,31 @@ def test_without_a_kernel_namespace_id_the_interface_and_mac_confirm_identity(
     assert agent.call("ListSandboxes")[0] == []
     assert _dels(control) == {"pod": ""}  # another namespace: DEL without it
     assert allocations(tmp_path / "ipam", "pods") == []
+
+
+def test_a_different_kernel_namespace_id_marks_the_sandbox_dead_though_the_inode_matches(
+    make_agent: Callable[..., Agent], bridge_chain: str, control: Control, netns: str,
+    tmp_path: Path,
+) -> None:
+    """What the kernel does when it reuses an nsfs inode for a recreated namespace:
+    (st_dev, st_ino) and even eth0 with its MAC match, only NS_GET_ID differs
+    (here: the record's id is changed). The kernel's id decides: the sandbox is
+    dead and DELed with an empty netns, its IP released (issue 12, item 4)."""
+    agent = make_agent()
+    agent.setup("pod", netns)
+    record = tmp_path / "state" / "sandboxes" / "pod.json"
+    doc = json.loads(record.read_text())
+    nsid = doc["netnsId"]["nsId"]
+    if nsid is None:
+        pytest.skip("this kernel has no NS_GET_ID (Linux < 6.11)")
+    control.reset_records()
+    agent.call("GarbageCollect", "as", "1", "pod")
+    assert agent.call("ListSandboxes")[0] == ["pod"]  # the recorded id: the same namespace
+    assert _dels(control) == {}
+    doc["netnsId"]["nsId"] = nsid + 1_000_000  # dev, ino and boot kept as recorded
+    record.write_text(json.dumps(doc))
+    agent.call("GarbageCollect", "as", "1", "pod")
+    assert agent.call("ListSandboxes")[0] == []
+    assert _dels(control) == {"pod": ""}  # another namespace: DEL without it
+    assert allocations(tmp_path / "ipam", "pods") == []
+    assert addresses(netns) != []  # nothing ran in the namespace the path names now

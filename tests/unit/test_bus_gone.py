@@ -5,6 +5,7 @@ the other listeners."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import signal
@@ -12,9 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
+from dbus_fast import Message
 from dbus_fast.aio import MessageBus
 
 from cni_agent.auth import Authorizer
+from cni_agent.daemon import connect
 from cni_agent.dbus_service import OBJECT_PATH, AgentInterface
 from cni_agent.monitor import NetworkState
 from tests.support.agent import Bus
@@ -63,5 +66,43 @@ def test_a_state_change_on_a_broken_connection_is_kept_and_does_not_raise(tmp_pa
             conn.disconnect()
             bus.stop()
             await node.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_send_after_the_bus_broke_leaves_the_fd_number_s_new_owner_alone() -> None:
+    """A reply sent after the connection broke must not remove the loop's reader
+    of whatever file reuses the socket's fd number (a plugin's pidfd in the
+    agent: its exit was then never seen, and the agent never exited)."""
+
+    async def scenario() -> None:
+        bus = Bus("system")
+        try:
+            conn = await connect(bus.address)
+            fd = conn._fd
+            os.kill(bus.pid, signal.SIGKILL)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(conn.wait_for_disconnect(), 5)
+            # The socket's number now names another file, as a pidfd opened next would.
+            r, w = os.pipe()
+            os.dup2(r, fd)
+            loop = asyncio.get_running_loop()
+            readable = asyncio.Event()
+            loop.add_reader(fd, readable.set)
+            try:
+                sent = conn.send(Message(destination="org.freedesktop.DBus",
+                                         path="/org/freedesktop/DBus",
+                                         interface="org.freedesktop.DBus", member="GetId"))
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(sent, 1)
+                os.write(w, b"x")
+                await asyncio.wait_for(readable.wait(), 2)  # the reader is still there
+            finally:
+                loop.remove_reader(fd)
+                for n in (fd, r, w):
+                    with contextlib.suppress(OSError):
+                        os.close(n)
+        finally:
+            bus.stop()
 
     asyncio.run(scenario())
