@@ -7,6 +7,10 @@ Set for these test machines, each for a measured reason:
 - nofile/nproc ulimits at 1024: podman's defaults are above this machine's
   hard limits, and without CAP_SYS_RESOURCE raising them fails (EPERM).
 - no image: `--rootfs` on a busybox-static tree (nothing to pull).
+- the private bus's address in containers.conf's engine env too: conmon starts
+  `podman container cleanup` (which may be the one that DELs) without the
+  test's environment, but with CONTAINERS_CONF. On a node the system bus is
+  the default and none of this is needed.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ network_backend = "cni"
 cni_plugin_dirs = ["{bin}", "/usr/lib/cni"]
 network_config_dir = "{net}"
 [engine]
+env = ["DBUS_SYSTEM_BUS_ADDRESS={bus}"]
 runtime = "runc"
 cgroup_manager = "cgroupfs"
 events_logger = "file"
@@ -48,7 +53,7 @@ class Podman:
         for applet in APPLETS:
             os.symlink("busybox", self.rootfs / "bin" / applet)
         conf = top / "containers.conf"
-        conf.write_text(CONTAINERS_CONF.format(bin=bin_dir, net=self.net_dir))
+        conf.write_text(CONTAINERS_CONF.format(bin=bin_dir, net=self.net_dir, bus=bus_address))
         self.env = {"PATH": os.environ["PATH"], "CONTAINERS_CONF": str(conf),
                     # libcni passes its own environment on to plugins: the shim finds the bus.
                     "DBUS_SYSTEM_BUS_ADDRESS": bus_address}
