@@ -25,7 +25,7 @@ from cni_agent.cni.errors import CNIError, ConfigError
 from cni_agent.cni.runtime import CNIRuntime, RuntimeConf
 from cni_agent.locks import NetworkLocks
 from cni_agent.logctx import log_fields
-from cni_agent.netns import NetnsError, NetnsId, Pinned, interfaces, with_sandbox
+from cni_agent.netns import NetnsError, NetnsId, Pinned, interfaces, loopback_up, with_sandbox
 from cni_agent.pathwork import PathWorker
 from cni_agent.records import Attachment, Phase, SandboxRecord, SandboxStore
 
@@ -140,10 +140,22 @@ class Journal:
 
     # --- adding -----------------------------------------------------------------
 
-    async def begin_add(self, rec: SandboxRecord, new: Sequence[Attachment]) -> SandboxRecord:
-        """Write the intent of `new` durably, before any of their plugins runs."""
+    async def begin_add(self, rec: SandboxRecord, new: Sequence[Attachment],
+                        loopback: Pinned | None = None) -> SandboxRecord:
+        """Write the intent of `new` durably, before any of their plugins runs.
+
+        With `loopback` (a new sandbox), that namespace's `lo` is brought up
+        first, in the same worker call (one thread hop, not two): NetnsError
+        if it cannot be, and then nothing was written, so nothing is to undo.
+        """
         begun = rec.with_attachments((*rec.attachments, *new))
-        await asyncio.to_thread(self.store.write, begun, True)
+
+        def work() -> None:
+            if loopback is not None:
+                loopback_up(loopback)
+            self.store.write(begun, True)
+
+        await asyncio.to_thread(work)
         return begun
 
     async def add(self, rec: SandboxRecord, att: Attachment, net: NetworkConfigList,
@@ -159,7 +171,7 @@ class Journal:
 
     async def commit(self, rec: SandboxRecord, ifnames: Collection[str]) -> SandboxRecord:
         ready = rec.with_phase(Phase.READY, ifnames)
-        await asyncio.to_thread(self.store.write, ready)
+        self.store.write(ready)  # not durable: cheap enough for the loop (`SandboxStore`)
         return ready
 
     async def check(self, att: Attachment, entry: CachedAttachment, ns: Pinned) -> None:
@@ -187,7 +199,7 @@ class Journal:
         if not extra and rec is not None:
             return rec
         claimed = base.with_attachments((*base.attachments, *extra))
-        await asyncio.to_thread(self.store.write, claimed)
+        self.store.write(claimed)
         return claimed
 
     async def remove(
@@ -207,7 +219,7 @@ class Journal:
         marking = [a.ifname for a in targets if a.phase is Phase.READY]
         if marking:
             rec = rec.with_phase(Phase.DELETING, marking)
-            await asyncio.to_thread(self.store.write, rec)
+            self.store.write(rec)
         if entries is None:
             entries = (await self.view(rec.sandbox_id))[1]
         errors: list[str] = []
@@ -222,9 +234,9 @@ class Journal:
         left = [a for a in rec.attachments if a.ifname not in gone]
         if left:
             kept = rec.with_attachments(left)
-            await asyncio.to_thread(self.store.write, kept)
+            self.store.write(kept)
             return kept, errors
-        await asyncio.to_thread(self.store.delete, rec.sandbox_id)
+        self.store.delete(rec.sandbox_id)
         return None, errors
 
     async def _delete(self, sandbox_id: str, att: Attachment, ns: Pinned | None,

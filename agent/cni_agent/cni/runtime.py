@@ -212,7 +212,9 @@ class CNIRuntime:
                                       "(a successful ADD must print one)")
             data = decode_json(plugin.type, "ADD", out)
             try:
-                prev = convert_result(parse_result(data, net.cni_version), net.cni_version)
+                prev = parse_result(data, net.cni_version)
+                if prev["cniVersion"] != net.cni_version:  # else converting re-parses, to no effect
+                    prev = convert_result(prev, net.cni_version)
             except CNIError as e:
                 raise PluginBadOutput(plugin.type, "ADD", f"invalid result: {e}") from None
         assert prev is not None
@@ -263,7 +265,7 @@ class CNIRuntime:
             if not rt.args or any(k == "IgnoreUnknown" for k, _ in rt.args):
                 raise
             await self._delete_chain(net, replace(rt, args=(("IgnoreUnknown", "1"), *rt.args)), prev)
-        await asyncio.to_thread(self.cache.delete, net.name, rt.container_id, rt.ifname)
+        self.cache.delete(net.name, rt.container_id, rt.ifname)  # an unlink: no thread hop
 
     async def _delete_chain(self, net: NetworkConfigList, rt: RuntimeConf,
                             prev: Mapping[str, Any] | None) -> None:
