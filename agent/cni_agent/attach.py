@@ -134,7 +134,7 @@ class Attachments:
         except NetnsError as e:
             raise AgentError(ErrorKind.PLUGIN_FAILED, f"cannot bring up lo: {e}") from e
         try:
-            result = await m.journal.add(rec, att, net, ns)
+            result = await m.journal.add(rec, att, net, ns, commit=[att.ifname])
         except CNIError as e:
             log.warning("ADD of %s/%s for %s failed, rolling back: %s", att.network, att.ifname,
                         req.sandbox_id, e)
@@ -144,7 +144,6 @@ class Attachments:
                 err = AgentError(err.kind, f"{err.message} (cleanup failed, retried at the next "
                                            f"GC: {undo[0]})")
             raise err from e
-        await m.journal.commit(rec, [att.ifname])
         return attachment_document(req.sandbox_id, att.network, att.ifname, result)
 
     @staticmethod

@@ -102,16 +102,15 @@ class Journal:
 
     async def view(self, sandbox_id: str) -> tuple[SandboxRecord | None, dict[tuple[str, str],
                                                                           CachedAttachment]]:
-        """The record and the cache entries of a sandbox."""
-        return await asyncio.to_thread(self._view, sandbox_id)
+        """The record and the cache entries of a sandbox.
 
-    def _view(self, sandbox_id: str) -> tuple[SandboxRecord | None, dict[tuple[str, str],
-                                                                        CachedAttachment]]:
-        # The record says where to look (no directory scan, which grows with the
-        # node); without one, scan like libcni does.
+        The record says where to look, and those few small files are read on
+        the loop (no thread hop); without one, the cache dir is scanned like
+        libcni does, off the loop, as the scan grows with the node.
+        """
         rec = self.store.read(sandbox_id)
         if rec is None:
-            found = self.runtime.cache.for_container(sandbox_id)
+            found = await asyncio.to_thread(self.runtime.cache.for_container, sandbox_id)
         else:
             found = []
             for a in rec.attachments:
@@ -159,20 +158,18 @@ class Journal:
         return begun
 
     async def add(self, rec: SandboxRecord, att: Attachment, net: NetworkConfigList,
-                  ns: Pinned) -> dict[str, Any]:
+                  ns: Pinned, commit: Collection[str] = ()) -> dict[str, Any]:
         """The ADD chain of one begun attachment, in the pinned namespace; the
-        runtime caches its result (with the caller's path)."""
+        runtime caches its result (with the caller's path). `commit`: these
+        attachments (the last one added, and those before it) become ready
+        right after that cache write, in the same worker call (no hop of its own)."""
         rt = _conf(rec.sandbox_id, att, ns)
+        then = (lambda: self.store.write(rec.with_phase(Phase.READY, commit))) if commit else None
         with log_fields(NETWORK=net.name, IFNAME=att.ifname):
             async with self.netlocks.use(net.name, self.lock_timeout):
-                result = await self.runtime.add(net, rt)
+                result = await self.runtime.add(net, rt, then)
             log.info("sandbox %s: %s/%s added", rec.sandbox_id, net.name, att.ifname)
         return result
-
-    async def commit(self, rec: SandboxRecord, ifnames: Collection[str]) -> SandboxRecord:
-        ready = rec.with_phase(Phase.READY, ifnames)
-        self.store.write(ready)  # not durable: cheap enough for the loop (`SandboxStore`)
-        return ready
 
     async def check(self, att: Attachment, entry: CachedAttachment, ns: Pinned) -> None:
         """CHECK with the config, args and capabilities the ADD used, and its cached result."""

@@ -291,9 +291,12 @@ class SandboxManager:
         except NetnsError as e:  # lo comes first: no intent was written, nothing to undo
             raise AgentError(ErrorKind.PLUGIN_FAILED, f"cannot bring up lo: {e}") from e
         done: list[CachedAttachment] = []
+        ifnames = [a.ifname for a in new]
         for i, (net, att) in enumerate(zip(nets, new, strict=True)):
             try:
-                result = await self.journal.add(rec, att, net, ns)
+                # The last one's cache write carries the commit (all ready at once).
+                result = await self.journal.add(rec, att, net, ns,
+                                                commit=ifnames if i == len(new) - 1 else ())
             except CNIError as e:
                 log.warning("setup of %s failed on %s/%s, rolling back: %s",
                             rec.sandbox_id, net.name, att.ifname, e,
@@ -309,7 +312,6 @@ class SandboxManager:
                 raise err from e
             done.append(CachedAttachment(rec.sandbox_id, net.name, att.ifname, rec.netns,
                                          net.bytes, result=result))
-        await self.journal.commit(rec, [a.ifname for a in new])
         log.info("sandbox %s set up (%d attachment(s))", rec.sandbox_id, len(done))
         return result_document(rec.sandbox_id, done, [(a.network, a.ifname) for a in new])
 

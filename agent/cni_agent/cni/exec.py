@@ -240,7 +240,9 @@ class ProcessExecutor:
         finally:
             # Always, cancelled or not: kills a hung plugin and any children it
             # left behind, then reaps it.
-            rc = await asyncio.shield(child.reap())
+            rc = child.reap_now()
+            if rc is None:
+                rc = await asyncio.shield(child.reap())
         out = child.stdout
         if rc != 0:
             raise _error_from_exit(plugin, inv.command, rc, out, child.stderr)

@@ -43,6 +43,13 @@ class Child:
                 pipes.append(os.pipe2(os.O_CLOEXEC))
             (in_r, in_w), (out_r, out_w), (err_r, err_w) = pipes
             ours, theirs = (in_w, out_r, err_r), (in_r, out_w, err_w)
+            for fd in ours:
+                os.set_blocking(fd, False)  # ours only: the plugin's ends stay blocking
+            # Fed before the plugin exists: a config fits the pipe (64 KiB), so
+            # usually no writer callback, and no wake-up of a plugin blocked in read().
+            self._pending = memoryview(stdin)
+            self._stdin_fd = in_w
+            self._fill()
             self.pid = os.posix_spawn(
                 binary, [binary], env, setsid=True, setsigdef=_DEFAULT_SIGNALS,
                 file_actions=[(os.POSIX_SPAWN_DUP2, fd, i) for i, fd in enumerate(theirs)])
@@ -60,15 +67,12 @@ class Child:
             for fd in ours:
                 os.close(fd)
             raise
-        for fd in ours:
-            os.set_blocking(fd, False)  # ours only: the plugin's ends stay blocking
-        self._stdin_fd, self._out_fd, self._err_fd = ours
+        self._out_fd, self._err_fd = out_r, err_r
         self._caps = {self._out_fd: max_stdout, self._err_fd: max_stderr}
         self._bufs = {self._out_fd: bytearray(), self._err_fd: bytearray()}
         self.too_big = False  # stdout went over its cap (reading stopped there)
         self._exited = False
         self._done: asyncio.Future[None] = self._loop.create_future()
-        self._pending = memoryview(stdin)
         for fd in (self._out_fd, self._err_fd):
             self._loop.add_reader(fd, self._read, fd)
         self._loop.add_reader(self._pidfd, self._on_exit)
@@ -84,17 +88,23 @@ class Child:
 
     # --- callbacks on the loop ------------------------------------------------------
 
-    def _write(self) -> None:
-        fd = self._stdin_fd
+    def _fill(self) -> bool:
+        """Write what the pipe takes; True when stdin is done with (all written, or EPIPE)."""
         try:
             while self._pending:
-                n = os.write(fd, self._pending)
-                self._pending = self._pending[n:]
+                self._pending = self._pending[os.write(self._stdin_fd, self._pending):]
         except BlockingIOError:
-            self._loop.add_writer(fd, self._write)  # idempotent: replaces the handle
-            return
+            return False
         except OSError:
             pass  # EPIPE: the plugin does not read its stdin (or has died)
+        return True
+
+    def _write(self) -> None:
+        if self._stdin_fd < 0:
+            return
+        if not self._fill():
+            self._loop.add_writer(self._stdin_fd, self._write)  # idempotent: replaces the handle
+            return
         self._close_stdin()
 
     def _close_stdin(self) -> None:
@@ -142,8 +152,20 @@ class Child:
     # --- the caller's side ----------------------------------------------------------
 
     async def finished(self) -> None:
-        """Until both pipes reached EOF and the process exited, or stdout went over its cap."""
-        await asyncio.shield(self._done)
+        """Until both pipes reached EOF and the process exited, or stdout went over its cap.
+
+        A timeout cancels the future awaited here; `reap` makes a new one if it must wait.
+        """
+        await self._done
+
+    def reap_now(self) -> int | None:
+        """`reap` when there is nothing left to wait for (the usual case), else None:
+        no task, no loop iteration."""
+        if not self._exited or self._caps:
+            return None
+        kill_group(self.pid)
+        self._close_stdin()
+        return self._status()
 
     async def reap(self, grace: float = 5.0) -> int:
         """Kill the group, wait for the exit and reap; the exit status (-N: signal N).
