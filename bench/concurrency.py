@@ -33,7 +33,10 @@ from tests.support.agent import Agent
 from tests.support.net import allocations
 from tests.support.plugins import write_conf
 
-GOAL = 1.7
+# Speedup of 100 at once over serial, per network (issue 15: no-op plugins, where
+# the agent itself is what is left to scale).
+GOALS = {"pods": 1.7, "noopnet": 1.8}
+GOAL = GOALS["pods"]
 CONNECTIONS = 8
 
 
@@ -160,8 +163,7 @@ def _report(count: int, walls: dict[str, list[float]], cpu: dict[str, list[dict[
         figures += [
             figure(f"concurrency.{network}.serial", serial, "s", note=f"{count} sandboxes, 1 connection"),
             figure(f"concurrency.{network}.concurrent", conc, "s", ratio=speedup,
-                   goal=f"speedup, goal ≥{GOAL}x" if network == "pods" else "speedup",
-                   passed=speedup >= GOAL if network == "pods" else None,
+                   goal=f"speedup, goal ≥{GOALS[network]}x", passed=speedup >= GOALS[network],
                    note=f"{count} at once over {CONNECTIONS} connections"),
         ]
         for mode in ("serial", "concurrent"):

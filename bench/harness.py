@@ -124,6 +124,12 @@ class Lab:
         """Production settings (log level info, default intervals and timeouts) unless overridden."""
         settings: dict[str, Any] = {"log_level": "info", "monitor": {}, "timeouts": {}, **config}
         agent = Agent(self.tmp, self.bus, **settings)
+        # BENCH_AGENT_CPROFILE=DIR: each agent runs under cProfile (CPU time of its
+        # main thread, see cpuprof.py), its stats in DIR when it exits.
+        if profile_dir := os.environ.get("BENCH_AGENT_CPROFILE"):
+            os.makedirs(profile_dir, exist_ok=True)
+            out = os.path.join(profile_dir, f"{self.tmp.name}-{len(self.agents)}.prof")
+            agent.python_args = [str(HERE / "cpuprof.py"), out]
         self.agents.append(agent)
         if start:
             agent.start()

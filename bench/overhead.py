@@ -9,16 +9,18 @@ client, the agent through `busctl` processes, and an empty D-Bus round trip
 from __future__ import annotations
 
 import asyncio
+import os
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
-from bench.harness import Client, DirectChain, Lab, busctl, conflist, ms_since
+from bench.harness import Client, DirectChain, Lab, busctl, conflist, ms_since, proc_cpu
 from bench.report import figure, ratio, result
 from tests.support.plugins import write_conf
 
 GOAL_RATIO, GOAL_MS = 1.15, 3.0
+GOAL_CPU_RATIO = 1.5
 SID = "bench-overhead"
 
 
@@ -35,13 +37,25 @@ def run(smoke: bool) -> dict[str, Any]:
         ns = lab.netns.add()
         direct = DirectChain(config, [str(lab.bin), "/usr/lib/cni"])
         address = lab.bus.address
+        assert agent.proc is not None
+        agent_pid, me = agent.proc.pid, os.getpid()
+        # Own CPU (utime+stime of the process and its threads, not its children:
+        # the plugins' CPU is the same for both) per pair, in ms.
+        cpu: dict[str, list[float]] = {"agent": [], "direct": []}
 
         async def dbus_pair() -> None:
             await client.setup(SID, ns)
             await client.teardown(SID, ns)
 
+        def via_dbus_fast() -> None:
+            c0 = proc_cpu(agent_pid)[0]
+            runner.run(dbus_pair())
+            cpu["agent"].append((proc_cpu(agent_pid)[0] - c0) * 1000)
+
         def via_direct() -> None:
+            c0 = proc_cpu(me)[0]
             direct.delete(SID, ns, direct.add(SID, ns))
+            cpu["direct"].append((proc_cpu(me)[0] - c0) * 1000)
 
         def via_busctl() -> None:
             busctl(address, "Setup", "ssa{sv}", SID, ns, "0")
@@ -49,7 +63,7 @@ def run(smoke: bool) -> dict[str, Any]:
 
         ways: dict[str, Callable[[], Any]] = {
             "direct": via_direct,
-            "dbus_fast": lambda: runner.run(dbus_pair()),
+            "dbus_fast": via_dbus_fast,
             "busctl": via_busctl,
             "dbus_roundtrip": lambda: runner.run(client.call("WaitReady", "d", [0.0])),
         }
@@ -62,10 +76,13 @@ def run(smoke: bool) -> dict[str, Any]:
                 ways[name]()
                 if i >= warmup:
                     samples[name].append(ms_since(t0))
-    return _report(samples)
+            if i < warmup:
+                for series in cpu.values():
+                    series.clear()
+    return _report(samples, cpu)
 
 
-def _report(s: dict[str, list[float]]) -> dict[str, Any]:
+def _report(s: dict[str, list[float]], cpu: dict[str, list[float]]) -> dict[str, Any]:
     floor = statistics.median(s["direct"])
     goal = f"goal ≤{GOAL_RATIO}x direct + {GOAL_MS:g} ms = {GOAL_RATIO * floor + GOAL_MS:.2f} ms"
     extra = {k: [a - b for a, b in zip(s[k], s["direct"], strict=True)] for k in ("dbus_fast", "busctl")}
@@ -79,6 +96,18 @@ def _report(s: dict[str, list[float]]) -> dict[str, Any]:
                note="includes starting 2 busctl processes"),
         figure("overhead.busctl.extra", extra["busctl"], note="paired, minus direct"),
         figure("overhead.dbus_roundtrip", s["dbus_roundtrip"], note="WaitReady: the bus alone"),
+    ]
+    # CPU counters tick in 1/CLK_TCK s (10 ms), more than a pair takes: one
+    # pair's delta is 0 or a tick, so only the mean over all pairs means anything.
+    floor_cpu, agent_cpu = statistics.fmean(cpu["direct"]), statistics.fmean(cpu["agent"])
+    cpu_goal = f"goal ≤{GOAL_CPU_RATIO}x direct's = {GOAL_CPU_RATIO * floor_cpu:.2f} ms"
+    figures += [
+        figure("overhead.direct.cpu", [floor_cpu],
+               note=f"floor: this Python process's own CPU per pair, mean of {len(cpu['direct'])}"),
+        figure("overhead.agent.cpu", [agent_cpu], ratio=agent_cpu / floor_cpu if floor_cpu else None,
+               goal=cpu_goal, passed=agent_cpu <= GOAL_CPU_RATIO * floor_cpu,
+               note=f"agent's own CPU per Setup+Teardown (/proc/PID/stat utime+stime, threads "
+                    f"included, plugins not), mean of {len(cpu['agent'])}"),
     ]
     return result(figures, ["overhead: 3 no-op C plugins, cniVersion 1.0.0 (no STATUS), one netns; "
                             "ratios are median/median of interleaved series"])

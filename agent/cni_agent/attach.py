@@ -31,7 +31,7 @@ from cni_agent.cni.errors import CNIError, InvalidArgument, NoCachedResult
 from cni_agent.errors import AgentError, ErrorKind, classify
 from cni_agent.journal import is_recorded
 from cni_agent.logctx import log_fields
-from cni_agent.netns import NetnsError, Pinned, bring_up_loopback
+from cni_agent.netns import NetnsError, Pinned
 from cni_agent.order import Kind
 from cni_agent.records import Attachment, Phase, SandboxRecord
 from cni_agent.sandbox import (
@@ -125,16 +125,16 @@ class Attachments:
             raise AgentError(ErrorKind.INVALID_ARGUMENT,
                              f"sandbox {req.sandbox_id} has a cached {att.network}/{att.ifname} "
                              "from another tool or an older run; DEL it first")
+        new = rec is None
         if rec is None:
-            # A new sandbox: lo first, before an intent exists (nothing to undo).
-            try:
-                await bring_up_loopback(ns)
-            except NetnsError as e:
-                raise AgentError(ErrorKind.PLUGIN_FAILED, f"cannot bring up lo: {e}") from e
             rec = SandboxRecord(req.sandbox_id, req.netns, ns.identity, ())
-        rec = await m.journal.begin_add(rec, [att])
         try:
-            result = await m.journal.add(rec, att, net, ns)
+            # A new sandbox: lo first, before an intent exists (nothing to undo).
+            rec = await m.journal.begin_add(rec, [att], loopback=ns if new else None)
+        except NetnsError as e:
+            raise AgentError(ErrorKind.PLUGIN_FAILED, f"cannot bring up lo: {e}") from e
+        try:
+            result = await m.journal.add(rec, att, net, ns, commit=[att.ifname])
         except CNIError as e:
             log.warning("ADD of %s/%s for %s failed, rolling back: %s", att.network, att.ifname,
                         req.sandbox_id, e)
@@ -144,7 +144,6 @@ class Attachments:
                 err = AgentError(err.kind, f"{err.message} (cleanup failed, retried at the next "
                                            f"GC: {undo[0]})")
             raise err from e
-        await m.journal.commit(rec, [att.ifname])
         return attachment_document(req.sandbox_id, att.network, att.ifname, result)
 
     @staticmethod

@@ -14,7 +14,6 @@ import contextlib
 import logging
 import os
 import signal
-import sys
 
 from dbus_fast import BusType
 from dbus_fast.aio import MessageBus
@@ -134,12 +133,8 @@ class Daemon:
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
-        if sys.version_info < (3, 12):
-            # 3.11's default child watcher starts a thread per plugin process;
-            # pidfds (the default from 3.12 on) need none.
-            watcher = asyncio.PidfdChildWatcher()
-            watcher.attach_loop(loop)
-            asyncio.get_event_loop_policy().set_child_watcher(watcher)
+        # Plugins inherit it (posix_spawn takes no cwd); every configured path is absolute.
+        os.chdir("/")
         try:
             await asyncio.to_thread(_prepare_dirs, self.cfg)
             state_lock = lock_state_dir(self.cfg.state_dir)

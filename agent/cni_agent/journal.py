@@ -25,7 +25,7 @@ from cni_agent.cni.errors import CNIError, ConfigError
 from cni_agent.cni.runtime import CNIRuntime, RuntimeConf
 from cni_agent.locks import NetworkLocks
 from cni_agent.logctx import log_fields
-from cni_agent.netns import NetnsError, NetnsId, Pinned, interfaces, with_sandbox
+from cni_agent.netns import NetnsError, NetnsId, Pinned, interfaces, loopback_up, with_sandbox
 from cni_agent.pathwork import PathWorker
 from cni_agent.records import Attachment, Phase, SandboxRecord, SandboxStore
 
@@ -102,16 +102,15 @@ class Journal:
 
     async def view(self, sandbox_id: str) -> tuple[SandboxRecord | None, dict[tuple[str, str],
                                                                           CachedAttachment]]:
-        """The record and the cache entries of a sandbox."""
-        return await asyncio.to_thread(self._view, sandbox_id)
+        """The record and the cache entries of a sandbox.
 
-    def _view(self, sandbox_id: str) -> tuple[SandboxRecord | None, dict[tuple[str, str],
-                                                                        CachedAttachment]]:
-        # The record says where to look (no directory scan, which grows with the
-        # node); without one, scan like libcni does.
+        The record says where to look, and those few small files are read on
+        the loop (no thread hop); without one, the cache dir is scanned like
+        libcni does, off the loop, as the scan grows with the node.
+        """
         rec = self.store.read(sandbox_id)
         if rec is None:
-            found = self.runtime.cache.for_container(sandbox_id)
+            found = await asyncio.to_thread(self.runtime.cache.for_container, sandbox_id)
         else:
             found = []
             for a in rec.attachments:
@@ -140,27 +139,37 @@ class Journal:
 
     # --- adding -----------------------------------------------------------------
 
-    async def begin_add(self, rec: SandboxRecord, new: Sequence[Attachment]) -> SandboxRecord:
-        """Write the intent of `new` durably, before any of their plugins runs."""
+    async def begin_add(self, rec: SandboxRecord, new: Sequence[Attachment],
+                        loopback: Pinned | None = None) -> SandboxRecord:
+        """Write the intent of `new` durably, before any of their plugins runs.
+
+        With `loopback` (a new sandbox), that namespace's `lo` is brought up
+        first, in the same worker call (one thread hop, not two): NetnsError
+        if it cannot be, and then nothing was written, so nothing is to undo.
+        """
         begun = rec.with_attachments((*rec.attachments, *new))
-        await asyncio.to_thread(self.store.write, begun, True)
+
+        def work() -> None:
+            if loopback is not None:
+                loopback_up(loopback)
+            self.store.write(begun, True)
+
+        await asyncio.to_thread(work)
         return begun
 
     async def add(self, rec: SandboxRecord, att: Attachment, net: NetworkConfigList,
-                  ns: Pinned) -> dict[str, Any]:
+                  ns: Pinned, commit: Collection[str] = ()) -> dict[str, Any]:
         """The ADD chain of one begun attachment, in the pinned namespace; the
-        runtime caches its result (with the caller's path)."""
+        runtime caches its result (with the caller's path). `commit`: these
+        attachments (the last one added, and those before it) become ready
+        right after that cache write, in the same worker call (no hop of its own)."""
         rt = _conf(rec.sandbox_id, att, ns)
+        then = (lambda: self.store.write(rec.with_phase(Phase.READY, commit))) if commit else None
         with log_fields(NETWORK=net.name, IFNAME=att.ifname):
             async with self.netlocks.use(net.name, self.lock_timeout):
-                result = await self.runtime.add(net, rt)
+                result = await self.runtime.add(net, rt, then)
             log.info("sandbox %s: %s/%s added", rec.sandbox_id, net.name, att.ifname)
         return result
-
-    async def commit(self, rec: SandboxRecord, ifnames: Collection[str]) -> SandboxRecord:
-        ready = rec.with_phase(Phase.READY, ifnames)
-        await asyncio.to_thread(self.store.write, ready)
-        return ready
 
     async def check(self, att: Attachment, entry: CachedAttachment, ns: Pinned) -> None:
         """CHECK with the config, args and capabilities the ADD used, and its cached result."""
@@ -187,7 +196,7 @@ class Journal:
         if not extra and rec is not None:
             return rec
         claimed = base.with_attachments((*base.attachments, *extra))
-        await asyncio.to_thread(self.store.write, claimed)
+        self.store.write(claimed)
         return claimed
 
     async def remove(
@@ -207,7 +216,7 @@ class Journal:
         marking = [a.ifname for a in targets if a.phase is Phase.READY]
         if marking:
             rec = rec.with_phase(Phase.DELETING, marking)
-            await asyncio.to_thread(self.store.write, rec)
+            self.store.write(rec)
         if entries is None:
             entries = (await self.view(rec.sandbox_id))[1]
         errors: list[str] = []
@@ -222,9 +231,9 @@ class Journal:
         left = [a for a in rec.attachments if a.ifname not in gone]
         if left:
             kept = rec.with_attachments(left)
-            await asyncio.to_thread(self.store.write, kept)
+            self.store.write(kept)
             return kept, errors
-        await asyncio.to_thread(self.store.delete, rec.sandbox_id)
+        self.store.delete(rec.sandbox_id)
         return None, errors
 
     async def _delete(self, sandbox_id: str, att: Attachment, ns: Pinned | None,

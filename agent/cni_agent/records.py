@@ -133,7 +133,12 @@ class SandboxRecord:
 
 
 class SandboxStore:
-    """Blocking file operations; callers run them off the event loop."""
+    """Blocking file operations on the agent's own (local) state dir.
+
+    A durable write (two fsyncs) runs off the event loop; the others are a
+    few plain syscalls, like the lock files', and cost less on the loop than
+    the thread hop that would move them off it (~0.15 ms of CPU each).
+    """
 
     def __init__(self, state_dir: str) -> None:
         self.dir = os.path.join(state_dir, "sandboxes")

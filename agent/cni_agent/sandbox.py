@@ -35,7 +35,7 @@ from cni_agent.journal import Journal, is_recorded
 from cni_agent.locks import SandboxLocks
 from cni_agent.logctx import log_fields
 from cni_agent.monitor import Monitor
-from cni_agent.netns import NetnsError, NetnsId, Pinned, bring_up_loopback
+from cni_agent.netns import NetnsError, NetnsId, Pinned
 from cni_agent.order import Kind, Sequencer, Ticket
 from cni_agent.pathwork import UNANSWERED
 from cni_agent.podcidrs import PodCIDRs
@@ -286,16 +286,17 @@ class SandboxManager:
 
     async def _add_all(self, rec: SandboxRecord, new: Sequence[Attachment],
                        nets: Sequence[NetworkConfigList], ns: Pinned) -> dict[str, Any]:
-        # Before the intent is written: nothing to undo if this fails.
         try:
-            await bring_up_loopback(ns)
-        except NetnsError as e:
+            rec = await self.journal.begin_add(rec, new, loopback=ns)
+        except NetnsError as e:  # lo comes first: no intent was written, nothing to undo
             raise AgentError(ErrorKind.PLUGIN_FAILED, f"cannot bring up lo: {e}") from e
-        rec = await self.journal.begin_add(rec, new)
         done: list[CachedAttachment] = []
+        ifnames = [a.ifname for a in new]
         for i, (net, att) in enumerate(zip(nets, new, strict=True)):
             try:
-                result = await self.journal.add(rec, att, net, ns)
+                # The last one's cache write carries the commit (all ready at once).
+                result = await self.journal.add(rec, att, net, ns,
+                                                commit=ifnames if i == len(new) - 1 else ())
             except CNIError as e:
                 log.warning("setup of %s failed on %s/%s, rolling back: %s",
                             rec.sandbox_id, net.name, att.ifname, e,
@@ -311,7 +312,6 @@ class SandboxManager:
                 raise err from e
             done.append(CachedAttachment(rec.sandbox_id, net.name, att.ifname, rec.netns,
                                          net.bytes, result=result))
-        await self.journal.commit(rec, [a.ifname for a in new])
         log.info("sandbox %s set up (%d attachment(s))", rec.sandbox_id, len(done))
         return result_document(rec.sandbox_id, done, [(a.network, a.ifname) for a in new])
 

@@ -386,3 +386,14 @@ def test_losing_the_bus_exits_non_zero_for_a_restart(
     assert agent.proc is not None
     assert agent.proc.wait(30) == 1
     assert "lost the connection to the bus" in agent.log()
+
+
+def test_plugins_run_in_the_root_directory(
+    make_agent: Callable[..., Agent], testnet: Callable[..., Path], control: Control, netns: str
+) -> None:
+    """The agent's cwd is whatever started it; the daemon moves to / so its plugins run there."""
+    testnet()
+    agent = make_agent()
+    agent.setup("cwd", netns)
+    agent.call("Teardown", "ssa{sv}", "cwd", netns, "0")
+    assert {r["cwd"] for r in control.records()} == {"/"}

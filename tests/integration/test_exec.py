@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -179,3 +180,55 @@ def test_world_writable_binary_or_dir_is_refused(plugin_dir: Path) -> None:
     with pytest.raises(PluginUnsafe) as e:
         find_plugin("testplug", [str(plugin_dir)])
     assert "owned by uid 65534" in str(e.value)
+
+
+def _script(tmp_path: Path, name: str, body: str) -> str:
+    bindir = tmp_path / "scripts"
+    bindir.mkdir(mode=0o755, exist_ok=True)
+    script = bindir / name
+    script.write_text("#!/bin/sh\n" + body)
+    script.chmod(0o755)
+    return str(script)
+
+
+async def test_stdin_larger_than_a_pipe_is_fed_whole(tmp_path: Path) -> None:
+    """Most configs fit the pipe before the plugin starts; a larger one is fed as it reads."""
+    binary = _script(tmp_path, "count", "wc -c\n")
+    stdin = b"x" * (1024 * 1024 + 17)
+    out = await ProcessExecutor().execute("count", binary, ADD, stdin, 10)
+    assert int(out) == len(stdin)
+
+
+async def test_plugin_that_never_reads_stdin(tmp_path: Path) -> None:
+    binary = _script(tmp_path, "deaf", "echo '{}'\n")
+    out = await ProcessExecutor().execute("deaf", binary, ADD, b"y" * (1024 * 1024), 10)
+    assert out.strip() == b"{}"
+
+
+async def test_plugins_run_in_the_agents_directory_with_default_sigpipe(tmp_path: Path) -> None:
+    """posix_spawn: the cwd is inherited (the daemon's is /) and SIGPIPE, which
+    Python ignores, is back to default, as Popen's restore_signals did."""
+    binary = _script(tmp_path, "where", "pwd; grep SigIgn /proc/self/status\n")
+    out = (await ProcessExecutor().execute("where", binary, ADD, b"{}", 10)).decode().split()
+    assert out[0] == os.getcwd()
+    assert not int(out[2], 16) & (1 << (13 - 1))  # SIGPIPE is signal 13
+
+
+async def test_cancelled_execution_kills_the_group(plugin_dir: Path, control: Control) -> None:
+    control.set("ADD", "spawn-hang")
+    task = asyncio.ensure_future(_run(plugin_dir, control, timeout=30))
+    for _ in range(250):  # until the plugin forked its child
+        if any("child" in r for r in control.records(None)):
+            break
+        await asyncio.sleep(0.02)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    records = control.records(None)
+    pids = [r["child"] for r in records if "child" in r] + [r["pid"] for r in records if "pid" in r]
+    assert len(pids) >= 2
+    for _ in range(100):
+        if not any(_alive(pid) for pid in pids):
+            break
+        await asyncio.sleep(0.02)
+    assert not any(_alive(pid) for pid in pids)

@@ -139,6 +139,8 @@ class Agent:
         }
         self.config_path = tmp / "agent.yaml"
         self.proc: subprocess.Popen[str] | None = None
+        # Interpreter options before `-m cni_agent` (a benchmark's profiler).
+        self.python_args: list[str] = []
         self.notify: NotifySocket | None = None
         self.log_path = tmp / "agent.log"
 
@@ -152,7 +154,7 @@ class Agent:
         full_env.pop("DBUS_SYSTEM_BUS_ADDRESS", None)
         self._log = open(self.log_path, "a")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cni_agent", "run", "--config", str(self.config_path)],
+            [sys.executable, *self.python_args, "-m", "cni_agent", "run", "--config", str(self.config_path)],
             env=full_env, stdout=self._log, stderr=subprocess.STDOUT, text=True,
         )
         if wait:

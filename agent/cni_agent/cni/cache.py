@@ -14,7 +14,6 @@ import base64
 import contextlib
 import json
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,14 +68,20 @@ def atomic_write(path: str, data: bytes, mode: int = 0o600, durable: bool = True
     make it survive a power loss too (for writes a recovery depends on).
     """
     directory = os.path.dirname(path)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+    # As mkstemp does, minus its Python-level retries and file object (the
+    # agent writes a few of these per Setup; the daemon sweeps `.tmp-*`).
+    tmp = os.path.join(directory, f".tmp-{os.urandom(8).hex()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), mode)
-            f.write(data)
-            f.flush()
+        try:
+            os.fchmod(fd, mode)  # whatever the umask
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
             if durable:
-                os.fsync(f.fileno())
+                os.fsync(fd)
+        finally:
+            os.close(fd)
         os.rename(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -87,7 +92,9 @@ def atomic_write(path: str, data: bytes, mode: int = 0o600, durable: bool = True
 
 
 class ResultCache:
-    """Blocking file operations; callers run them off the event loop."""
+    """Blocking file operations on the local state dir. Writes (durable) and
+    scans (they grow with the node) run off the event loop; reading or
+    unlinking one entry is a few syscalls, cheaper on the loop than a thread hop."""
 
     def __init__(self, state_dir: str) -> None:
         self.dir = os.path.join(state_dir, "results")

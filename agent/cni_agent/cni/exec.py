@@ -28,6 +28,7 @@ from cni_agent.cni.errors import (
     PluginTimeout,
     PluginUnsafe,
 )
+from cni_agent.cni.spawn import Child
 from cni_agent.cni.trust import untrusted_reason
 
 # The agent's own systemd plumbing must not leak into plugins: a plugin that
@@ -140,27 +141,6 @@ def _error_from_exit(plugin: str, verb: str, rc: int, out: bytes, err: bytes) ->
     return ExecError(plugin, verb, f"exited with status {rc} without an error result: {text}")
 
 
-async def _read_capped(
-    stream: asyncio.StreamReader, cap: int, stop_at_cap: bool = True
-) -> tuple[bytes, bool]:
-    """Read keeping at most `cap` bytes; True when more was offered.
-
-    Stops at the cap (stdout: an error, the plugin is killed) or reads on to EOF
-    discarding the rest (stderr: noise must never block the plugin).
-    """
-    buf = bytearray()
-    over = False
-    while chunk := await stream.read(65536):
-        if len(buf) + len(chunk) > cap:
-            buf.extend(chunk[: cap - len(buf)])
-            over = True
-            if stop_at_cap:
-                break
-        else:
-            buf.extend(chunk)
-    return bytes(buf), over
-
-
 # Every plugin (and whatever it execs) carries this variable, so an agent
 # restarted after a crash can find and kill what its predecessor left running —
 # outside systemd's KillMode, nothing else would (see `kill_leftovers`).
@@ -191,36 +171,8 @@ def kill_leftovers(instance: str, proc_dir: str = "/proc") -> list[int]:
     return killed
 
 
-async def _reap(proc: asyncio.subprocess.Process, grace: float = 5.0) -> None:
-    """Wait for a killed plugin, draining what is left in its pipes.
-
-    asyncio reports a process as finished only once every pipe reached EOF; a
-    reader that stopped early (output too large, timeout) would wait forever.
-    What is left is bounded by the pipe buffers, since the writers are dead.
-    """
-
-    async def drain(stream: asyncio.StreamReader | None) -> None:
-        while stream is not None and await stream.read(65536):
-            pass
-
-    try:
-        async with asyncio.timeout(grace):
-            await asyncio.gather(drain(proc.stdout), drain(proc.stderr))
-            await proc.wait()
-    except TimeoutError:
-        # Something outside the process group still holds a pipe open: stop
-        # reading it (the transport is asyncio's own handle on the pipes).
-        proc._transport.close()  # type: ignore[attr-defined]
-        await proc.wait()
-
-
-def _kill_group(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
-
-
 class ProcessExecutor:
-    """Forks the plugin in its own process group, with a timeout and output caps."""
+    """Spawns the plugin in its own process group, with a timeout and output caps."""
 
     def __init__(
         self,
@@ -254,19 +206,11 @@ class ProcessExecutor:
             self._env_cache = env
         return {**self._env_cache, **inv.environ()}
 
-    async def _spawn(self, plugin: str, binary: str, inv: Invocation) -> asyncio.subprocess.Process:
+    async def _spawn(self, plugin: str, binary: str, inv: Invocation, stdin: bytes) -> Child:
         env = self._environ(inv)
         for attempt in range(self._busy_retries + 1):
             try:
-                return await asyncio.create_subprocess_exec(
-                    binary,
-                    stdin=asyncio.subprocess.PIPE,
-                    stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.PIPE,
-                    env=env,
-                    cwd="/",
-                    start_new_session=True,  # own process group: a timeout kills it all
-                )
+                return Child(binary, env, stdin, self._max_stdout, self._max_stderr)
             except OSError as e:
                 # A binary being replaced (package upgrade) is briefly busy.
                 if e.errno == errno.ETXTBSY and attempt < self._busy_retries:
@@ -282,36 +226,24 @@ class ProcessExecutor:
     async def execute(
         self, plugin: str, binary: str, inv: Invocation, stdin: bytes, timeout: float
     ) -> bytes:
-        proc = await self._spawn(plugin, binary, inv)
-        assert proc.stdin and proc.stdout and proc.stderr
+        child = await self._spawn(plugin, binary, inv, stdin)
         try:
             async with asyncio.timeout(timeout):
-                out_task = asyncio.ensure_future(_read_capped(proc.stdout, self._max_stdout))
-                err_task = asyncio.ensure_future(
-                    _read_capped(proc.stderr, self._max_stderr, stop_at_cap=False))
-                try:
-                    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-                        proc.stdin.write(stdin)
-                        await proc.stdin.drain()
-                    proc.stdin.close()
-                    out, too_big = await out_task
-                    if too_big:
-                        raise PluginBadOutput(
-                            plugin, inv.command,
-                            f"printed more than {self._max_stdout} bytes (process group killed)",
-                        )
-                    err = (await err_task)[0]
-                    rc = await proc.wait()
-                finally:
-                    for t in (out_task, err_task):
-                        t.cancel()
-                    await asyncio.gather(out_task, err_task, return_exceptions=True)
+                await child.finished()
+            if child.too_big:
+                raise PluginBadOutput(
+                    plugin, inv.command,
+                    f"printed more than {self._max_stdout} bytes (process group killed)",
+                )
         except TimeoutError:
             raise PluginTimeout(plugin, inv.command, timeout) from None
         finally:
-            # Always: kills a hung plugin, and any children it left behind.
-            _kill_group(proc.pid)
-            await asyncio.shield(_reap(proc))
+            # Always, cancelled or not: kills a hung plugin and any children it
+            # left behind, then reaps it.
+            rc = child.reap_now()
+            if rc is None:
+                rc = await asyncio.shield(child.reap())
+        out = child.stdout
         if rc != 0:
-            raise _error_from_exit(plugin, inv.command, rc, out, err)
+            raise _error_from_exit(plugin, inv.command, rc, out, child.stderr)
         return out

@@ -226,11 +226,13 @@ def _parse_ipconfig(value: Any, where: str, family: int, n_ifaces: int) -> dict[
     return ipc
 
 
-def parse_result(data: Any, config_version: str) -> dict[str, Any]:
+def parse_result(data: Any, config_version: str, *, owned: bool = False) -> dict[str, Any]:
     """Validate a plugin's result; a result without cniVersion takes the config's.
 
     Returns a normalised deep copy: nulls and empty collections dropped,
-    addresses in canonical form, unknown keys kept.
+    addresses in canonical form, unknown keys kept. `owned`: `data` is the
+    caller's to give away (just decoded), so it is normalised in place, not
+    copied first.
     """
     if not isinstance(data, dict):
         raise ResultError(f"result: expected a JSON object, got {_kind(data)}")
@@ -239,7 +241,7 @@ def parse_result(data: Any, config_version: str) -> dict[str, Any]:
         version = config_version
     family = _family(version, "result version")
     # cniVersion first, for readable JSON; the second line overrides a "" from data
-    result = {"cniVersion": version, **_obj(copy.deepcopy(data), "result")}
+    result = {"cniVersion": version, **_obj(data if owned else copy.deepcopy(data), "result")}
     result["cniVersion"] = version
     foreign = (_RICH_KEYS if family == _LEGACY else _LEGACY_KEYS) & result.keys()
     if foreign:

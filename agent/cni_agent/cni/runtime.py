@@ -10,7 +10,7 @@ import asyncio
 import json
 import logging
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -193,10 +193,13 @@ class CNIRuntime:
 
     # --- ADD ---------------------------------------------------------------
 
-    async def add(self, net: NetworkConfigList, rt: RuntimeConf) -> dict[str, Any]:
+    async def add(self, net: NetworkConfigList, rt: RuntimeConf,
+                  then: Callable[[], None] | None = None) -> dict[str, Any]:
         """Run the chain forward and cache the final result.
 
         Nothing is cached on failure; the caller must DEL (the spec requires it).
+        `then` runs in the same worker call, right after the cache entry is
+        written (the journal's commit: one thread hop for both).
         """
         prev: dict[str, Any] | None = None
         inv = self._invocation("ADD", rt)
@@ -212,7 +215,9 @@ class CNIRuntime:
                                       "(a successful ADD must print one)")
             data = decode_json(plugin.type, "ADD", out)
             try:
-                prev = convert_result(parse_result(data, net.cni_version), net.cni_version)
+                prev = parse_result(data, net.cni_version, owned=True)
+                if prev["cniVersion"] != net.cni_version:  # else converting re-parses, to no effect
+                    prev = convert_result(prev, net.cni_version)
             except CNIError as e:
                 raise PluginBadOutput(plugin.type, "ADD", f"invalid result: {e}") from None
         assert prev is not None
@@ -228,7 +233,13 @@ class CNIRuntime:
             capability_args=dict(rt.capability_args),
             result=prev,
         )
-        await asyncio.to_thread(self.cache.write, entry)
+
+        def write() -> None:
+            self.cache.write(entry)
+            if then is not None:
+                then()
+
+        await asyncio.to_thread(write)
         return prev
 
     # --- DEL ---------------------------------------------------------------
@@ -263,7 +274,7 @@ class CNIRuntime:
             if not rt.args or any(k == "IgnoreUnknown" for k, _ in rt.args):
                 raise
             await self._delete_chain(net, replace(rt, args=(("IgnoreUnknown", "1"), *rt.args)), prev)
-        await asyncio.to_thread(self.cache.delete, net.name, rt.container_id, rt.ifname)
+        self.cache.delete(net.name, rt.container_id, rt.ifname)  # an unlink: no thread hop
 
     async def _delete_chain(self, net: NetworkConfigList, rt: RuntimeConf,
                             prev: Mapping[str, Any] | None) -> None:
