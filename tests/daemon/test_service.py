@@ -397,3 +397,6 @@ def test_plugins_run_in_the_root_directory(
     agent.setup("cwd", netns)
     agent.call("Teardown", "ssa{sv}", "cwd", netns, "0")
     assert {r["cwd"] for r in control.records()} == {"/"}
+    # Nothing of the agent's (bus socket, inotify, locks, the pinned netns) leaks
+    # into a plugin: it gets stdin, stdout and stderr only.
+    assert [r["inherited_fds"] for r in control.records() if r["inherited_fds"]] == []
