@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.agent import Agent, Bus
 from tests.support.plugins import Control
+from tests.support.shim import run_shim, shim_conf
 
 PROMTOOL = shutil.which("promtool") or "/var/cache/cni-agent-tests/promtool/promtool"
 
@@ -192,3 +193,15 @@ def test_healthz_fails_once_the_bus_connection_is_gone(
         assert agent.proc.wait(30) == 1  # lost the bus: exit non-zero for a restart
     finally:
         bus.stop()
+
+
+def test_shim_calls_are_counted_by_command_and_result(http_agent: tuple[Agent, Path]) -> None:
+    agent, sock = http_agent
+    conf = shim_conf("pods", "testnet")
+    assert run_shim(agent.bus.address, "STATUS", conf).rc == 0
+    assert run_shim(agent.bus.address, "STATUS", shim_conf("pods", "nosuchnet")).code == 50
+    assert run_shim(agent.bus.address, "ADD", conf, cid="", netns="/x").code == 4
+    got = samples(sock)
+    assert got[("cni_agent_shim_calls_total", (("command", "STATUS"), ("result", "ok")))] == 1
+    assert got[("cni_agent_shim_calls_total", (("command", "STATUS"), ("result", "code_50")))] == 1
+    assert got[("cni_agent_shim_calls_total", (("command", "ADD"), ("result", "code_4")))] == 1
