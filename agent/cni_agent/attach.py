@@ -28,7 +28,7 @@ from cni_agent.cni.args import (
 from cni_agent.cni.cache import CachedAttachment
 from cni_agent.cni.config import NetworkConfigList
 from cni_agent.cni.errors import CNIError, InvalidArgument, NoCachedResult
-from cni_agent.errors import AgentError, ErrorKind, classify
+from cni_agent.errors import AgentError, ErrorKind, classified
 from cni_agent.journal import is_recorded
 from cni_agent.logctx import log_fields
 from cni_agent.netns import NetnsError, Pinned
@@ -39,6 +39,7 @@ from cni_agent.sandbox import (
     NetworkRequest,
     SandboxManager,
     no_netns,
+    rollback_error,
     unless_hung,
     validate_removal_netns,
 )
@@ -86,12 +87,8 @@ class Attachments:
 
     async def attach(self, req: AttachRequest) -> dict[str, Any]:
         with log_fields(SANDBOX_ID=req.sandbox_id, IFNAME=req.ifname):
-            try:
+            with classified():
                 return await self._attach(req)
-            except AgentError:
-                raise
-            except Exception as e:
-                raise classify(e) from e
 
     async def _attach(self, req: AttachRequest) -> dict[str, Any]:
         m = self.m
@@ -139,11 +136,7 @@ class Attachments:
             log.warning("ADD of %s/%s for %s failed, rolling back: %s", att.network, att.ifname,
                         req.sandbox_id, e)
             _, undo = await m.journal.remove(rec, [att.ifname], ns)
-            err = classify(e)
-            if undo:
-                err = AgentError(err.kind, f"{err.message} (cleanup failed, retried at the next "
-                                           f"GC: {undo[0]})")
-            raise err from e
+            raise rollback_error(e, undo) from e
         return attachment_document(req.sandbox_id, att.network, att.ifname, result)
 
     @staticmethod
@@ -164,12 +157,8 @@ class Attachments:
                      origin: str = "") -> None:
         """DEL one attachment. Nothing attached there, or its netns gone: success."""
         with log_fields(SANDBOX_ID=sandbox_id, IFNAME=ifname):
-            try:
+            with classified():
                 await self._detach(sandbox_id, netns, network, ifname, origin)
-            except AgentError:
-                raise
-            except Exception as e:
-                raise classify(e) from e
 
     async def _detach(self, sandbox_id: str, netns: str, network: str, ifname: str,
                       origin: str) -> None:
@@ -213,7 +202,7 @@ class Attachments:
     async def check(self, sandbox_id: str, netns: str, network: str, ifname: str,
                     origin: str = "") -> None:
         with log_fields(SANDBOX_ID=sandbox_id, IFNAME=ifname):
-            try:
+            with classified():
                 m = self.m
                 m.gate()
                 _validate(sandbox_id, network, ifname, origin)
@@ -221,10 +210,6 @@ class Attachments:
                     with m.order.arrive(sandbox_id, Kind.OTHER, frozenset({ifname})) as ticket:
                         async with m.locked(ticket):
                             await self._check_locked(sandbox_id, ns, network, ifname, origin)
-            except AgentError:
-                raise
-            except Exception as e:
-                raise classify(e) from e
 
     async def _check_locked(self, sandbox_id: str, ns: Pinned, network: str, ifname: str,
                             origin: str) -> None:
@@ -249,12 +234,8 @@ class Attachments:
     async def collect(self, origin: str, valid: Collection[tuple[str, str]]) -> list[str]:
         """DEL the attachments made through `origin` whose (sandbox, ifname) the
         runtime no longer lists; nothing else. Returns the errors."""
-        try:
+        with classified():
             self.m.gate()
             validate_network_name(origin, "name")
             report = await self.m.reaper.release(origin, frozenset(valid))
-        except AgentError:
-            raise
-        except Exception as e:
-            raise classify(e) from e
         return report.errors

@@ -6,6 +6,8 @@ D-Bus layer is a lookup, never a guess.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from enum import StrEnum
 
 from cni_agent.cni.errors import (
@@ -61,3 +63,15 @@ def classify(exc: BaseException) -> AgentError:
     if isinstance(exc, CacheError | OSError):
         return AgentError(ErrorKind.PLUGIN_FAILED, f"agent state error: {exc}")
     return AgentError(ErrorKind.PLUGIN_FAILED, f"internal error: {type(exc).__name__}: {exc}")
+
+
+@contextmanager
+def classified() -> Iterator[None]:
+    """Re-raise anything the core raises as its AgentError (one already is: as
+    it is, since `raise e from e` would make it its own cause)."""
+    try:
+        yield
+    except AgentError:
+        raise
+    except Exception as e:
+        raise classify(e) from e

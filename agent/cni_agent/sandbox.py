@@ -29,7 +29,7 @@ from cni_agent.cni.args import (
 from cni_agent.cni.cache import CachedAttachment
 from cni_agent.cni.config import NetworkConfigList
 from cni_agent.cni.errors import CNIError, InvalidArgument, NoCachedResult
-from cni_agent.errors import AgentError, ErrorKind, classify
+from cni_agent.errors import AgentError, ErrorKind, classified, classify
 from cni_agent.gc import Reaper
 from cni_agent.journal import Journal, is_recorded
 from cni_agent.locks import SandboxLocks
@@ -208,12 +208,12 @@ class SandboxManager:
     async def setup(self, req: SetupRequest) -> dict[str, Any]:
         with log_fields(SANDBOX_ID=req.sandbox_id):
             try:
-                return await self._setup(req)
-            except Exception as e:
-                err = classify(e)
+                with classified():
+                    return await self._setup(req)
+            except AgentError as err:
                 if err.kind is ErrorKind.CANCELLED:
                     log.info("%s", err.message)
-                raise err from e
+                raise
 
     async def _setup(self, req: SetupRequest) -> dict[str, Any]:
         self.gate()
@@ -305,11 +305,7 @@ class SandboxManager:
                 _, undo = await self.journal.remove(
                     rec, [a.ifname for a in new[: i + 1]], ns,
                     unstarted=[a.ifname for a in new[i + 1:]])
-                err = classify(e)
-                if undo:
-                    err = AgentError(err.kind, f"{err.message} (cleanup failed, retried at the next "
-                                               f"GC: {undo[0]})")
-                raise err from e
+                raise rollback_error(e, undo) from e
             done.append(CachedAttachment(rec.sandbox_id, net.name, att.ifname, rec.netns,
                                          net.bytes, result=result))
         log.info("sandbox %s set up (%d attachment(s))", rec.sandbox_id, len(done))
@@ -319,12 +315,8 @@ class SandboxManager:
 
     async def teardown(self, sandbox_id: str, netns: str = "") -> None:
         with log_fields(SANDBOX_ID=sandbox_id):
-            try:
+            with classified():
                 await self._teardown(sandbox_id, netns)
-            except AgentError:
-                raise
-            except Exception as e:
-                raise classify(e) from e
 
     async def _teardown(self, sandbox_id: str, netns: str) -> None:
         validate_container_id(sandbox_id)
@@ -356,12 +348,8 @@ class SandboxManager:
 
     async def check(self, sandbox_id: str, netns: str) -> None:
         with log_fields(SANDBOX_ID=sandbox_id):
-            try:
+            with classified():
                 await self._check(sandbox_id, netns)
-            except AgentError:
-                raise
-            except Exception as e:
-                raise classify(e) from e
 
     async def _check(self, sandbox_id: str, netns: str) -> None:
         self.gate()
@@ -394,13 +382,9 @@ class SandboxManager:
                                rec.phase if rec else Phase.READY)
 
     async def show(self, sandbox_id: str) -> dict[str, Any]:
-        try:
+        with classified():
             validate_container_id(sandbox_id)
             rec, entries = await self.journal.view(sandbox_id)
-        except AgentError:
-            raise
-        except Exception as e:
-            raise classify(e) from e
         if not entries:
             raise AgentError(ErrorKind.NOT_FOUND, f"sandbox {sandbox_id} has no cached attachments")
         return self._document(rec, entries)
@@ -416,15 +400,11 @@ class SandboxManager:
     # --- node-wide ------------------------------------------------------------------------
 
     async def garbage_collect(self, valid_ids: Sequence[str]) -> None:
-        try:
+        with classified():
             self.gate()
             for sid in valid_ids:
                 validate_container_id(sid, "valid_sandbox_ids")
             report = await self.reaper.collect(set(valid_ids))
-        except AgentError:
-            raise
-        except Exception as e:
-            raise classify(e) from e
         if report.errors:
             raise AgentError(ErrorKind.PLUGIN_FAILED,
                              f"garbage collection finished with {len(report.errors)} error(s): "
@@ -441,6 +421,15 @@ def _single(new: Sequence[Attachment]) -> dict[str, str]:
     """NETWORK and IFNAME for all lines about a one-network sandbox (each
     attachment's own lines carry its fields in any case)."""
     return {"NETWORK": new[0].network, "IFNAME": new[0].ifname} if len(new) == 1 else {}
+
+
+def rollback_error(e: BaseException, undo: list[str]) -> AgentError:
+    """A failed ADD's error, after its rollback; says so when the rollback failed too."""
+    err = classify(e)
+    if undo:
+        return AgentError(err.kind, f"{err.message} (cleanup failed, retried at the next "
+                                    f"GC: {undo[0]})")
+    return err
 
 
 @asynccontextmanager
