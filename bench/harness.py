@@ -242,3 +242,21 @@ class DirectChain:
 
 def ms_since(t0: float) -> float:
     return (time.perf_counter() - t0) * 1000
+
+
+def interleave(ways: Mapping[str, Callable[[], Any]], rounds: int, warmup: int,
+               on_warmed_up: Callable[[], None] = lambda: None) -> dict[str, list[float]]:
+    """Each way once per round, the first rotating (shared machines drift: A, B,
+    B, A …); wall ms per call after `warmup` rounds, then `on_warmed_up()` once."""
+    samples: dict[str, list[float]] = {name: [] for name in ways}
+    order = list(ways)
+    for i in range(warmup + rounds):
+        if i == warmup:
+            on_warmed_up()
+        k = i % len(order)
+        for name in order[k:] + order[:k]:
+            t0 = time.perf_counter()
+            ways[name]()
+            if i >= warmup:
+                samples[name].append(ms_since(t0))
+    return samples

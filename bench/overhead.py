@@ -11,11 +11,10 @@ from __future__ import annotations
 import asyncio
 import os
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
-from bench.harness import Client, DirectChain, Lab, busctl, conflist, ms_since, proc_cpu
+from bench.harness import Client, DirectChain, Lab, busctl, conflist, interleave, proc_cpu
 from bench.report import figure, ratio, result
 from tests.support.plugins import write_conf
 
@@ -67,18 +66,12 @@ def run(smoke: bool) -> dict[str, Any]:
             "busctl": via_busctl,
             "dbus_roundtrip": lambda: runner.run(client.call("WaitReady", "d", [0.0])),
         }
-        samples: dict[str, list[float]] = {name: [] for name in ways}
-        order = list(ways)
-        for i in range(warmup + rounds):
-            k = i % len(order)
-            for name in order[k:] + order[:k]:
-                t0 = time.perf_counter()
-                ways[name]()
-                if i >= warmup:
-                    samples[name].append(ms_since(t0))
-            if i < warmup:
-                for series in cpu.values():
-                    series.clear()
+
+        def forget_warmup() -> None:
+            for series in cpu.values():
+                series.clear()
+
+        samples = interleave(ways, rounds, warmup, on_warmed_up=forget_warmup)
     return _report(samples, cpu)
 
 

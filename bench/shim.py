@@ -16,11 +16,10 @@ import os
 import resource
 import statistics
 import subprocess
-import time
 from collections.abc import Callable
 from typing import Any
 
-from bench.harness import CallFailed, Client, Lab, conflist, ms_since
+from bench.harness import CallFailed, Client, Lab, conflist, interleave
 from bench.report import figure, result
 from tests.support.plugins import write_conf
 from tests.support.shim import SHIM
@@ -81,18 +80,12 @@ def run(smoke: bool) -> dict[str, Any]:
             "direct_status": lambda: runner.run(cnicall("STATUS", status_config)),
             "shim_status": lambda: shim("STATUS", status_config, "shim_status"),
         }
-        samples: dict[str, list[float]] = {name: [] for name in ways}
-        order = list(ways)
-        for i in range(warmup + rounds):
-            k = i % len(order)
-            for name in order[k:] + order[:k]:
-                t0 = time.perf_counter()
-                ways[name]()
-                if i >= warmup:
-                    samples[name].append(ms_since(t0))
-            if i < warmup:
-                for c in cpu.values():
-                    c.clear()
+
+        def forget_warmup() -> None:
+            for series in cpu.values():
+                series.clear()
+
+        samples = interleave(ways, rounds, warmup, on_warmed_up=forget_warmup)
     return _report(samples, cpu)
 
 
