@@ -247,8 +247,8 @@ class ShimCalls:
                 answer = await self._run(call)
             except (AgentError, CNIError) as e:
                 answer = failure_answer(call, e)
-        self._on_call(command_of(env) if command_of(env) in COMMANDS else "invalid",
-                      answer.code)
+        command = command_of(env)
+        self._on_call(command if command in COMMANDS else "invalid", answer.code)
         return answer
 
     async def _run(self, call: ShimCall) -> Answer:
