@@ -232,3 +232,24 @@ async def test_cancelled_execution_kills_the_group(plugin_dir: Path, control: Co
             break
         await asyncio.sleep(0.02)
     assert not any(_alive(pid) for pid in pids)
+
+
+async def test_output_larger_than_a_pipe_is_read_whole(tmp_path: Path) -> None:
+    """A plugin blocked writing more than a pipe holds never exits on its own:
+    its pipes are watched once it runs longer than a fast plugin would."""
+    binary = _script(tmp_path, "big", "head -c 300000 /dev/zero | tr '\\0' x\n"
+                                      "head -c 200000 /dev/zero | tr '\\0' y >&2\n")
+    executor = ProcessExecutor(max_stdout=1_000_000, max_stderr=1_000_000)
+    child = await executor._spawn("big", binary, ADD, b"{}")
+    await asyncio.wait_for(child.finished(), 10)
+    assert child.stdout == b"x" * 300_000
+    assert child.stderr == b"y" * 200_000
+    assert await child.reap() == 0
+
+
+async def test_output_of_a_child_left_behind_is_read_to_its_end(tmp_path: Path) -> None:
+    """The plugin exits but a child of it still holds stdout: what it prints
+    later is part of the result, and nothing hangs."""
+    binary = _script(tmp_path, "late", "(sleep 0.3; echo '{\"late\": true}') &\nexit 0\n")
+    out = await ProcessExecutor().execute("late", binary, ADD, b"{}", 10)
+    assert json.loads(out) == {"late": True}

@@ -2,8 +2,12 @@
 
 asyncio's subprocess layer (Popen, three pipe transports and protocols, stream
 readers, a child watcher) cost ~0.7 ms of the agent's CPU per exec and some 60
-loop iterations; this is a posix_spawn, three raw readers (stdout, stderr and
-a pidfd) and 2 to 4 loop wake-ups. `exec.ProcessExecutor` is its only user.
+loop iterations; this is a posix_spawn and a pidfd reader: one loop wake-up
+when the plugin exits, then stdout and stderr are read to their end at once.
+The pipes are watched only if the plugin has not exited within `_WATCH_AFTER`
+(it may be blocked writing more than a pipe holds) or if, once it has, a pipe
+is still open (a child of it holds the write end). `exec.ProcessExecutor` is
+its only user.
 
 The process is reaped only after its group was killed: while it is unreaped
 (a zombie at worst) its pid, and so its process group id, cannot be reused,
@@ -22,6 +26,10 @@ from collections.abc import Mapping
 # exec; Popen's restore_signals put them back to default, so do we.
 _DEFAULT_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ)
 _CHUNK = 65536
+# A fast plugin (most, and every no-op one) exits before this and costs no pipe
+# watching; a slower one or one with more output than a pipe holds (64 KiB) is
+# watched from then on, so is delayed by at most this.
+_WATCH_AFTER = 0.01
 
 
 def kill_group(pid: int) -> None:
@@ -72,10 +80,11 @@ class Child:
         self._bufs = {self._out_fd: bytearray(), self._err_fd: bytearray()}
         self.too_big = False  # stdout went over its cap (reading stopped there)
         self._exited = False
+        self._watched: set[int] = set()
         self._done: asyncio.Future[None] = self._loop.create_future()
-        for fd in (self._out_fd, self._err_fd):
-            self._loop.add_reader(fd, self._read, fd)
         self._loop.add_reader(self._pidfd, self._on_exit)
+        self._watch_timer: asyncio.TimerHandle | None = self._loop.call_later(
+            _WATCH_AFTER, self._watch_pipes)
         self._write()
 
     @property
@@ -113,28 +122,51 @@ class Child:
             os.close(self._stdin_fd)
             self._stdin_fd = -1
 
-    def _read(self, fd: int) -> None:
+    def _watch_pipes(self) -> None:
+        self._watch_timer = None
+        for fd in self._caps:  # the open ones
+            self._watch(fd)
+
+    def _watch(self, fd: int) -> None:
+        self._loop.add_reader(fd, self._read, fd)  # idempotent: replaces the handle
+        self._watched.add(fd)
+
+    def _drain(self, fd: int) -> None:
+        """Read `fd` to its end if it is there; else watch it. A few reads at
+        most: a child left behind writing on and on must not hold the loop."""
+        for _ in range(4):
+            if fd not in self._caps:
+                return
+            if not self._read(fd):
+                break
+        if fd in self._caps:
+            self._watch(fd)
+
+    def _read(self, fd: int) -> bool:
+        """One read; False if there was nothing to read yet."""
         try:
             data = os.read(fd, _CHUNK)
         except BlockingIOError:
-            return
+            return False
         except OSError:
             data = b""
         if not data:
             self._stop_reading(fd)
-            return
+            return True
         buf, cap = self._bufs[fd], self._caps[fd]
         if len(buf) + len(data) <= cap:
             buf += data
-            return
+            return True
         buf += data[: cap - len(buf)]  # stderr: the rest is noise, read and dropped
         if fd == self._out_fd:
             self.too_big = True  # an error: no need to read on, the group is killed
             self._stop_reading(fd)
+        return True
 
     def _stop_reading(self, fd: int) -> None:
         if fd in self._caps:
-            self._loop.remove_reader(fd)
+            if fd in self._watched:
+                self._loop.remove_reader(fd)
             os.close(fd)
             del self._caps[fd]  # its bytes stay in _bufs
             self._check_done()
@@ -142,6 +174,11 @@ class Child:
     def _on_exit(self) -> None:
         self._loop.remove_reader(self._pidfd)
         self._exited = True
+        if self._watch_timer is not None:
+            self._watch_timer.cancel()
+            self._watch_timer = None
+        for fd in list(self._caps):
+            self._drain(fd)
         self._check_done()
 
     def _check_done(self) -> None:
