@@ -11,6 +11,7 @@ piling up: a hostile caller can tie up at most `threads` threads.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -107,9 +108,20 @@ class PathWorker:
         """func() on a path thread, within the timeout; `discard` frees a result
         that arrives after the caller gave up (an open fd, say)."""
         cfut = self._submit(func)
-        afut = asyncio.wrap_future(cfut)
+        # Our own loop future, not wrap_future's: cancelling it (timeout, caller
+        # gone) leaves the job to `_abandon`, with no shield or wait_for around
+        # it (each a future and callbacks more, on every namespace lookup).
+        loop = asyncio.get_running_loop()
+        afut: asyncio.Future[_T] = loop.create_future()
+
+        def done(f: Future[_T]) -> None:  # on the path thread, or here if cancelled
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
+                loop.call_soon_threadsafe(_copy_result, f, afut)
+
+        cfut.add_done_callback(done)
         try:
-            return await asyncio.wait_for(asyncio.shield(afut), self.timeout)
+            async with asyncio.timeout(self.timeout):
+                return await afut
         except TimeoutError:
             self._abandon(cfut, afut, discard)
             log.warning("%s %r did not answer within %gs", field, path[:200], self.timeout)
@@ -120,7 +132,6 @@ class PathWorker:
 
     def _abandon(self, cfut: Future[_T], afut: asyncio.Future[_T],
                  discard: Callable[[_T], None] | None) -> None:
-        afut.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody reads it
         if cfut.cancel():
             return  # still queued: it never runs
         with self._lock:
@@ -162,6 +173,16 @@ class PathWorker:
             self._stopped, n = True, self._started
         for _ in range(n):
             self._jobs.put(None)
+
+
+def _copy_result(cfut: Future[_T], afut: asyncio.Future[_T]) -> None:
+    """On the loop: the job's outcome to its caller, unless the caller gave up."""
+    if afut.done() or cfut.cancelled():
+        return
+    if (e := cfut.exception()) is not None:
+        afut.set_exception(e)
+    else:
+        afut.set_result(cfut.result())
 
 
 def _pin_or_none(path: str, field: str) -> Pinned | None:
