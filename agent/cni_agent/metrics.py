@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -69,6 +70,10 @@ class Metrics:
             "cni_agent_shim_calls", "CNI calls forwarded by cni-agent-shim, by command and result "
             "(ok or the CNI error code)", ("command", "result"), registry=r)
         self._last_ready: bool | None = None
+        # labels() validates and locks on each call; the children are kept
+        # anyway (the registry does), so look them up once per label set.
+        self._seconds: dict[tuple[str, str], Any] = {}
+        self._runs: dict[tuple[str, str, str], Any] = {}
         for how in ("deleted", "rolled_back"):
             self.reaped.labels(how)
 
@@ -86,6 +91,17 @@ class Metrics:
 
     def shim_call(self, command: str, code: int) -> None:
         self.shim_calls.labels(command, "ok" if code == 0 else f"code_{code}").inc()
+
+    def plugin_run(self, plugin: str, verb: str, result: str, seconds: float) -> None:
+        """One plugin execution: its time and its outcome."""
+        key = (plugin, verb)
+        if (hist := self._seconds.get(key)) is None:
+            hist = self._seconds[key] = self.plugin_seconds.labels(plugin, verb)
+        hist.observe(seconds)
+        rkey = (plugin, verb, result)
+        if (runs := self._runs.get(rkey)) is None:
+            runs = self._runs[rkey] = self.plugin_runs.labels(plugin, verb, result)
+        runs.inc()
 
     def locked(self, waited: float, busy: bool) -> None:
         self.lock_wait.observe(waited)
@@ -137,5 +153,4 @@ class _MeteredExecutor:
             error = e
             raise
         finally:
-            self._m.plugin_seconds.labels(plugin, inv.command).observe(self._clock() - start)
-            self._m.plugin_runs.labels(plugin, inv.command, plugin_result(error)).inc()
+            self._m.plugin_run(plugin, inv.command, plugin_result(error), self._clock() - start)
