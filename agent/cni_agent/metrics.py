@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
 
 from cni_agent.cni.errors import ExecError, PluginError, PluginTimeout
 from cni_agent.cni.exec import Executor, Invocation
@@ -21,6 +22,7 @@ from cni_agent.monitor import Monitor, NetworkState
 # Plugin runs take from 1 ms (no-op) to minutes (dhcp, a remote IPAM).
 _PLUGIN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _LOCK_BUCKETS = (0.001, 0.01, 0.1, 0.5, 1, 5, 10, 30, 60)
+_M = TypeVar("_M", bound=MetricWrapperBase)
 
 
 def plugin_result(e: BaseException | None) -> str:
@@ -70,10 +72,7 @@ class Metrics:
             "cni_agent_shim_calls", "CNI calls forwarded by cni-agent-shim, by command and result "
             "(ok or the CNI error code)", ("command", "result"), registry=r)
         self._last_ready: bool | None = None
-        # labels() validates and locks on each call; the children are kept
-        # anyway (the registry does), so look them up once per label set.
-        self._seconds: dict[tuple[str, str], Any] = {}
-        self._runs: dict[tuple[str, str, str], Any] = {}
+        self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], MetricWrapperBase] = {}
         for how in ("deleted", "rolled_back"):
             self.reaped.labels(how)
 
@@ -86,22 +85,26 @@ class Metrics:
         self._last_ready = state.ready
         self.ready.set(1 if state.ready else 0)
 
+    def _child(self, metric: _M, *values: str) -> _M:
+        """metric.labels(*values), looked up once per label set: labels() checks
+        and locks on every call, and runs several times per request. Only for
+        metrics whose children are never removed (not `network_ready`)."""
+        key = (metric, values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child  # type: ignore[return-value]  # labels() of an _M is an _M
+
     def operation(self, method: str, result: str) -> None:
-        self.operations.labels(method, result).inc()
+        self._child(self.operations, method, result).inc()
 
     def shim_call(self, command: str, code: int) -> None:
-        self.shim_calls.labels(command, "ok" if code == 0 else f"code_{code}").inc()
+        self._child(self.shim_calls, command, "ok" if code == 0 else f"code_{code}").inc()
 
     def plugin_run(self, plugin: str, verb: str, result: str, seconds: float) -> None:
         """One plugin execution: its time and its outcome."""
-        key = (plugin, verb)
-        if (hist := self._seconds.get(key)) is None:
-            hist = self._seconds[key] = self.plugin_seconds.labels(plugin, verb)
-        hist.observe(seconds)
-        rkey = (plugin, verb, result)
-        if (runs := self._runs.get(rkey)) is None:
-            runs = self._runs[rkey] = self.plugin_runs.labels(plugin, verb, result)
-        runs.inc()
+        self._child(self.plugin_seconds, plugin, verb).observe(seconds)
+        self._child(self.plugin_runs, plugin, verb, result).inc()
 
     def locked(self, waited: float, busy: bool) -> None:
         self.lock_wait.observe(waited)
