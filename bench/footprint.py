@@ -26,8 +26,8 @@ from typing import Any
 from bench.harness import Client, Lab, conflist, proc_cpu, proc_rss_kib
 from bench.report import figure, result
 from cni_agent.cni.cache import CachedAttachment, ResultCache
-from cni_agent.netns import netns_identity
-from cni_agent.records import Attachment, Phase, SandboxRecord, SandboxStore
+from cni_agent.node.netns import netns_identity
+from cni_agent.sandboxes.records import Attachment, Phase, SandboxRecord, SandboxStore
 from tests.support.plugins import write_conf
 
 NETWORKS = 10

@@ -20,7 +20,7 @@ from cni_agent.cni.errors import (
     PluginTimeout,
     ResultError,
 )
-from cni_agent.locks import LockTimeout
+from cni_agent.node.locks import LockTimeout
 
 
 class ErrorKind(StrEnum):

@@ -1,4 +1,4 @@
-"""Integration tests of cni_agent.netns against real network namespaces (root)."""
+"""Integration tests of cni_agent.node.netns against real network namespaces (root)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from cni_agent import netns
 from cni_agent.cni.errors import InvalidArgument
+from cni_agent.node import netns
 
 pytestmark = [
     pytest.mark.root,

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from cni_agent.cni.cache import CachedAttachment
-from cni_agent.journal import is_recorded
-from cni_agent.netns import NetnsId, pin
-from cni_agent.records import Attachment, Phase, SandboxRecord
+from cni_agent.node.netns import NetnsId, pin
+from cni_agent.sandboxes.journal import is_recorded
+from cni_agent.sandboxes.records import Attachment, Phase, SandboxRecord
 
 pytestmark = pytest.mark.root
 MAC = "02:00:00:ab:cd:ef"

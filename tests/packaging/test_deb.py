@@ -36,7 +36,7 @@ EXPECTED = [
     "/usr/lib/tmpfiles.d/cni-agent.conf",
     "/etc/cni-agent/agent.yaml",
     "/usr/lib/cni/cni-agent-shim",  # where Debian's runtimes look for plugins
-    "/usr/lib/python3/dist-packages/cni_agent/daemon.py",
+    "/usr/lib/python3/dist-packages/cni_agent/service/daemon.py",
 ]
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from cni_agent.cni.errors import PluginError, PluginNotFound
 from cni_agent.cni.exec import Invocation
-from cni_agent.netns import NetnsId, netns_identity
+from cni_agent.node.netns import NetnsId, netns_identity
 
 ALL_VERSIONS = ["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"]
 

@@ -16,10 +16,10 @@ import pytest
 from dbus_fast import Message
 from dbus_fast.aio import MessageBus
 
-from cni_agent.auth import Authorizer
-from cni_agent.daemon import connect
-from cni_agent.dbus_service import OBJECT_PATH, AgentInterface
-from cni_agent.monitor import NetworkState
+from cni_agent.readiness.monitor import NetworkState
+from cni_agent.service.auth import Authorizer
+from cni_agent.service.daemon import connect
+from cni_agent.service.dbus_service import OBJECT_PATH, AgentInterface
 from tests.support.agent import Bus
 from tests.unit.test_orchestration import Node
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from cni_agent.cli.shim_config import SUPPORTED_VERSIONS, conflist
 from cni_agent.cni.errors import InvalidArgument, PluginError
-from cni_agent.cnicall import Refusal, ShimCall, failure_answer, parse_call, parse_cni_args
 from cni_agent.errors import AgentError, ErrorKind
-from cni_agent.shim_config import SUPPORTED_VERSIONS, conflist
+from cni_agent.service.cnicall import Refusal, ShimCall, failure_answer, parse_call, parse_cni_args
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {"CNI_COMMAND": "ADD", "CNI_CONTAINERID": "c1", "CNI_NETNS": "/run/netns/x",

@@ -15,8 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 
-import cni_agent.locks as locks_module
-from cni_agent.locks import LockTimeout, NetworkLocks, SandboxLocks
+import cni_agent.node.locks as locks_module
+from cni_agent.node.locks import LockTimeout, NetworkLocks, SandboxLocks
 
 AGENT_DIR = str(Path(locks_module.__file__).resolve().parents[1])
 
@@ -425,7 +425,7 @@ async def test_another_process_holding_times_out(
 SOAK = """
 import asyncio, sys
 sys.path.insert(0, sys.argv[1])
-from cni_agent.locks import SandboxLocks
+from cni_agent.node.locks import SandboxLocks
 
 async def main():
     locks = SandboxLocks(sys.argv[2])

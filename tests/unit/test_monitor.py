@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from cni_agent.cni.runtime import CNIRuntime
-from cni_agent.monitor import Monitor, NetworkState
+from cni_agent.readiness.monitor import Monitor, NetworkState
 from tests.support.plugins import Control, conflist, install_plugin, write_conf
 
 FAST = {"startup_interval": 0.05, "interval": 0.1}

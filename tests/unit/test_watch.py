@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from cni_agent import watch as watch_mod
-from cni_agent.watch import DirWatcher
+from cni_agent.node import watch as watch_mod
+from cni_agent.node.watch import DirWatcher
 
 DEBOUNCE = 0.01
 

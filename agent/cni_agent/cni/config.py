@@ -20,7 +20,7 @@ CONFIG_EXTENSIONS = (".conf", ".conflist", ".json")
 MAX_CONFIG_BYTES = 1024 * 1024
 # The newest spec version this runtime implements; higher cniVersions entries are dropped.
 LATEST_VERSION = "1.1.0"
-# The plugin that forwards a runtime's CNI calls to this agent (see `cni_agent.cnicall`).
+# The plugin that forwards a runtime's CNI calls to this agent (see `cni_agent.service.cnicall`).
 SHIM_TYPE = "cni-agent-shim"
 
 

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from cni_agent.cni.errors import InvalidArgument
 from cni_agent.errors import AgentError, ErrorKind
-from cni_agent.netns import Pinned, pin
+from cni_agent.node.netns import Pinned, pin
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")

@@ -26,7 +26,7 @@ from typing import Any
 
 from cni_agent.cni.cache import atomic_write
 from cni_agent.cni.errors import CacheError
-from cni_agent.netns import NetnsId
+from cni_agent.node.netns import NetnsId
 
 
 class Phase(StrEnum):

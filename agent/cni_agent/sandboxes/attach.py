@@ -28,13 +28,13 @@ from cni_agent.cni.args import (
 from cni_agent.cni.cache import CachedAttachment
 from cni_agent.cni.config import NetworkConfigList
 from cni_agent.cni.errors import CNIError, InvalidArgument, NoCachedResult
+from cni_agent.cni.logctx import log_fields
 from cni_agent.errors import AgentError, ErrorKind, classified
-from cni_agent.journal import is_recorded
-from cni_agent.logctx import log_fields
-from cni_agent.netns import NetnsError, Pinned
-from cni_agent.order import Kind
-from cni_agent.records import Attachment, Phase, SandboxRecord
-from cni_agent.sandbox import (
+from cni_agent.node.netns import NetnsError, Pinned
+from cni_agent.sandboxes.journal import is_recorded
+from cni_agent.sandboxes.order import Kind
+from cni_agent.sandboxes.records import Attachment, Phase, SandboxRecord
+from cni_agent.sandboxes.sandbox import (
     DEFAULT_IFNAME,
     NetworkRequest,
     SandboxManager,

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from cni_agent.cni.config import InvalidNetwork, NetworkConfigList, load_dir
 from cni_agent.cni.errors import CNIError, ConfigError
 from cni_agent.cni.runtime import CNIRuntime
-from cni_agent.watch import DirWatcher
+from cni_agent.node.watch import DirWatcher
 
 log = logging.getLogger(__name__)
 

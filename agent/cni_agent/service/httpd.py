@@ -19,9 +19,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from cni_agent.config import parse_listen
-from cni_agent.metrics import Metrics
-from cni_agent.monitor import Monitor
-from cni_agent.records import SandboxStore
+from cni_agent.readiness.monitor import Monitor
+from cni_agent.sandboxes.records import SandboxStore
+from cni_agent.service.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """What the client commands print: human text (colour only on a TTY), JSON, and help.
 
-Pure functions from the typed values of `cni_agent.client` to strings; the
-JSON shapes are documented in `cni_agent.cli`.
+Pure functions from the typed values of `cni_agent.cli.client` to strings; the
+JSON shapes are documented in `cni_agent.cli.cli`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from cni_agent.client import AgentStatus, SandboxResult
+from cni_agent.cli.client import AgentStatus, SandboxResult
 
 GREEN, RED, RESET = "\033[32m", "\033[31m", "\033[0m"
 READY, NOT_READY = "ready", "not ready"

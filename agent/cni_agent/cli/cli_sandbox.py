@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from cni_agent.client import AgentClient, ClientError, SetupOptions
+from cni_agent.cli.client import AgentClient, ClientError, SetupOptions
 
 NETNS_DIR = "/run/netns"
 SANDBOX_DIR = "/etc/cni-agent/sandboxes"

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from cni_agent.attach import Attachments, AttachRequest
+from cni_agent.cli.shim_config import SUPPORTED_VERSIONS
 from cni_agent.cni.config import SHIM_TYPE
 from cni_agent.cni.errors import (
     CODE_DECODE_FAILURE,
@@ -34,8 +34,8 @@ from cni_agent.cni.errors import (
 from cni_agent.cni.result import convert_result
 from cni_agent.cni.runtime import LEGACY_ATTACHMENTS_KEY, VALID_ATTACHMENTS_KEY
 from cni_agent.errors import AgentError, ErrorKind, classify
-from cni_agent.monitor import Monitor
-from cni_agent.shim_config import SUPPORTED_VERSIONS
+from cni_agent.readiness.monitor import Monitor
+from cni_agent.sandboxes.attach import Attachments, AttachRequest
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The `cni-agent` command line: `run` (the daemon) and the client commands.
 
-The client commands call `org.cniagent.Agent1` over D-Bus (`cni_agent.client`)
-and print with `cni_agent.cli_output`: short aligned text by default (coloured
+The client commands call `org.cniagent.Agent1` over D-Bus (`cni_agent.cli.client`)
+and print with `cni_agent.cli.cli_output`: short aligned text by default (coloured
 only on a terminal, never with NO_COLOR set), JSON with `--json`. Errors are one
 line on stderr, `cni-agent: MEANING: MESSAGE`. Exit status: 0 success, 1 the
 operation failed (including: the agent is not running, `wait` timed out), 2
@@ -41,8 +41,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
 from typing import Any
 
-from cni_agent import __version__, cli_sandbox, shim_config
-from cni_agent.cli_output import (
+from cni_agent import __version__
+from cni_agent.cli import cli_sandbox, shim_config
+from cni_agent.cli.cli_output import (
     BUS_HELP,
     TOP_EPILOG,
     ManFormatter,
@@ -53,7 +54,7 @@ from cni_agent.cli_output import (
     format_change,
     format_status,
 )
-from cni_agent.client import AgentClient, ClientError, SandboxResult, SetupOptions
+from cni_agent.cli.client import AgentClient, ClientError, SandboxResult, SetupOptions
 from cni_agent.cni.args import PodMeta, validate_network_name
 from cni_agent.cni.errors import InvalidArgument
 from cni_agent.config import ConfigFileError, load_config
@@ -65,8 +66,8 @@ ClientCommand = Callable[[AgentClient, argparse.Namespace, bool], Awaitable[int]
 
 
 def _run(args: argparse.Namespace) -> int:
-    from cni_agent.daemon import Daemon, StartupError
-    from cni_agent.logs import setup_logging
+    from cni_agent.service.daemon import Daemon, StartupError
+    from cni_agent.service.logs import setup_logging
 
     try:
         cfg = load_config(args.config)

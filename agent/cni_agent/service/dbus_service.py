@@ -21,15 +21,15 @@ from dbus_fast.constants import PropertyAccess
 from dbus_fast.errors import DBusError
 from dbus_fast.service import ServiceInterface, dbus_property, method
 
-from cni_agent.attach import AttachRequest
-from cni_agent.auth import Authorizer
 from cni_agent.cni.args import PodMeta
 from cni_agent.cni.errors import InvalidArgument
-from cni_agent.cnicall import READ_ONLY, ShimCalls, command_of
 from cni_agent.errors import AgentError, ErrorKind, classify
-from cni_agent.monitor import Monitor, NetworkState
-from cni_agent.podcidrs import PodCIDRs
-from cni_agent.sandbox import DEFAULT_IFNAME, NetworkRequest, SandboxManager, SetupRequest
+from cni_agent.readiness.monitor import Monitor, NetworkState
+from cni_agent.readiness.podcidrs import PodCIDRs
+from cni_agent.sandboxes.attach import AttachRequest
+from cni_agent.sandboxes.sandbox import DEFAULT_IFNAME, NetworkRequest, SandboxManager, SetupRequest
+from cni_agent.service.auth import Authorizer
+from cni_agent.service.cnicall import READ_ONLY, ShimCalls, command_of
 
 log = logging.getLogger(__name__)
 

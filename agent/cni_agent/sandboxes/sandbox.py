@@ -29,17 +29,17 @@ from cni_agent.cni.args import (
 from cni_agent.cni.cache import CachedAttachment
 from cni_agent.cni.config import NetworkConfigList
 from cni_agent.cni.errors import CNIError, InvalidArgument, NoCachedResult
+from cni_agent.cni.logctx import log_fields
 from cni_agent.errors import AgentError, ErrorKind, classified, classify
-from cni_agent.gc import Reaper
-from cni_agent.journal import Journal, is_recorded
-from cni_agent.locks import SandboxLocks
-from cni_agent.logctx import log_fields
-from cni_agent.monitor import Monitor
-from cni_agent.netns import NetnsError, NetnsId, Pinned
-from cni_agent.order import Kind, Sequencer, Ticket
-from cni_agent.pathwork import UNANSWERED
-from cni_agent.podcidrs import PodCIDRs
-from cni_agent.records import Attachment, Phase, SandboxRecord
+from cni_agent.node.locks import SandboxLocks
+from cni_agent.node.netns import NetnsError, NetnsId, Pinned
+from cni_agent.node.pathwork import UNANSWERED
+from cni_agent.readiness.monitor import Monitor
+from cni_agent.readiness.podcidrs import PodCIDRs
+from cni_agent.sandboxes.gc import Reaper
+from cni_agent.sandboxes.journal import Journal, is_recorded
+from cni_agent.sandboxes.order import Kind, Sequencer, Ticket
+from cni_agent.sandboxes.records import Attachment, Phase, SandboxRecord
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import logging
 import os
 import sys
 
-from cni_agent.logctx import FIELDS, ContextFields
+from cni_agent.cni.logctx import FIELDS, ContextFields
 
 
 class _StderrFormatter(logging.Formatter):

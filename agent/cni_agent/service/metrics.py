@@ -17,7 +17,7 @@ from prometheus_client.metrics import MetricWrapperBase
 
 from cni_agent.cni.errors import ExecError, PluginError, PluginTimeout
 from cni_agent.cni.exec import Executor, Invocation
-from cni_agent.monitor import Monitor, NetworkState
+from cni_agent.readiness.monitor import Monitor, NetworkState
 
 # Plugin runs take from 1 ms (no-op) to minutes (dhcp, a remote IPAM).
 _PLUGIN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)

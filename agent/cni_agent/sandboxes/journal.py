@@ -22,12 +22,12 @@ from typing import Any
 from cni_agent.cni.cache import CachedAttachment
 from cni_agent.cni.config import NetworkConfigList, parse_list_or_none
 from cni_agent.cni.errors import CNIError, ConfigError
+from cni_agent.cni.logctx import log_fields
 from cni_agent.cni.runtime import CNIRuntime, RuntimeConf
-from cni_agent.locks import NetworkLocks
-from cni_agent.logctx import log_fields
-from cni_agent.netns import NetnsError, NetnsId, Pinned, interfaces, loopback_up, with_sandbox
-from cni_agent.pathwork import PathWorker
-from cni_agent.records import Attachment, Phase, SandboxRecord, SandboxStore
+from cni_agent.node.locks import NetworkLocks
+from cni_agent.node.netns import NetnsError, NetnsId, Pinned, interfaces, loopback_up, with_sandbox
+from cni_agent.node.pathwork import PathWorker
+from cni_agent.sandboxes.records import Attachment, Phase, SandboxRecord, SandboxStore
 
 log = logging.getLogger(__name__)
 

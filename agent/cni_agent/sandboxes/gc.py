@@ -27,13 +27,13 @@ from dataclasses import dataclass, field
 
 from cni_agent.cni.cache import CachedAttachment
 from cni_agent.cni.config import NetworkConfigList
+from cni_agent.cni.logctx import log_fields
 from cni_agent.cni.result import version_at_least
-from cni_agent.journal import Journal
-from cni_agent.locks import LockTimeout, NetworkLocks, SandboxLocks
-from cni_agent.logctx import log_fields
-from cni_agent.netns import Pinned
-from cni_agent.pathwork import UNANSWERED
-from cni_agent.records import Phase, SandboxRecord
+from cni_agent.node.locks import LockTimeout, NetworkLocks, SandboxLocks
+from cni_agent.node.netns import Pinned
+from cni_agent.node.pathwork import UNANSWERED
+from cni_agent.sandboxes.journal import Journal
+from cni_agent.sandboxes.records import Phase, SandboxRecord
 
 log = logging.getLogger(__name__)
 

@@ -19,15 +19,15 @@ from dbus_fast import BusType
 from dbus_fast.aio import MessageBus
 from dbus_fast.constants import NameFlag, RequestNameReply
 
-from cni_agent.auth import Authorizer
 from cni_agent.cni.exec import kill_leftovers
 from cni_agent.config import AgentConfig
-from cni_agent.core import build_core, instance_of
-from cni_agent.dbus_service import BUS_NAME, OBJECT_PATH, AgentInterface
-from cni_agent.httpd import HealthServer, ListenError
-from cni_agent.locks import StateDirBusy, lock_state_dir
-from cni_agent.monitor import NetworkState
-from cni_agent.notify import Notifier
+from cni_agent.node.locks import StateDirBusy, lock_state_dir
+from cni_agent.readiness.monitor import NetworkState
+from cni_agent.service.auth import Authorizer
+from cni_agent.service.core import build_core, instance_of
+from cni_agent.service.dbus_service import BUS_NAME, OBJECT_PATH, AgentInterface
+from cni_agent.service.httpd import HealthServer, ListenError
+from cni_agent.service.notify import Notifier
 
 log = logging.getLogger(__name__)
 # Seconds allowed for giving the bus name back at exit.

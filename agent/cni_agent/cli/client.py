@@ -23,8 +23,8 @@ from dbus_fast import Message, MessageType, Variant
 from dbus_fast.aio import MessageBus
 
 from cni_agent.cni.args import PodMeta
-from cni_agent.dbus_service import BUS_NAME, ERROR_PREFIX, INTERFACE, OBJECT_PATH
 from cni_agent.errors import ErrorKind
+from cni_agent.service.dbus_service import BUS_NAME, ERROR_PREFIX, INTERFACE, OBJECT_PATH
 
 DBUS_NAME = DBUS_INTERFACE = "org.freedesktop.DBus"
 DBUS_PATH = "/org/freedesktop/DBus"
@@ -228,7 +228,7 @@ class AgentClient:
 
     @classmethod
     async def connect(cls, bus: str = "system") -> AgentClient:
-        from cni_agent.daemon import connect  # the daemon's bus selection, lazily (heavy import)
+        from cni_agent.service.daemon import connect  # the daemon's bus selection, lazily (heavy import)
 
         try:
             return cls(await connect(bus), bus)
