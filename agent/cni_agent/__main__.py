@@ -1,3 +1,3 @@
-from cni_agent.cli.cli import main
+from cni_agent.cli.commands import main
 
 raise SystemExit(main())

@@ -20,9 +20,9 @@ import pytest
 
 from cni_agent import __version__
 from cni_agent.cli import client as client_module
-from cni_agent.cli.cli import main
-from cni_agent.cli.cli_output import colour_enabled, format_attachments, format_change, format_status
 from cni_agent.cli.client import AgentClient, AgentStatus, ClientError, SandboxResult, error_from_reply
+from cni_agent.cli.commands import main
+from cni_agent.cli.output import colour_enabled, format_attachments, format_change, format_status
 from tests.daemon.conftest import plug
 from tests.support.agent import Agent, Bus, as_user_python
 from tests.support.plugins import Control

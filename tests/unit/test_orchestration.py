@@ -21,9 +21,9 @@ import pytest
 from cni_agent.config import AgentConfig, GCConfig, MonitorConfig, TimeoutsConfig
 from cni_agent.errors import AgentError, ErrorKind
 from cni_agent.node.netns import check_netns, netns_identity
+from cni_agent.sandboxes.manager import NetworkRequest, SetupRequest
 from cni_agent.sandboxes.records import Attachment, Phase, SandboxRecord
-from cni_agent.sandboxes.sandbox import NetworkRequest, SetupRequest
-from cni_agent.service.core import Core, build_core
+from cni_agent.service.wiring import Core, build_core
 from tests.support.fakeexec import FakeExecutor
 from tests.support.plugins import conflist, write_conf
 

@@ -32,9 +32,7 @@ from cni_agent.cni.logctx import log_fields
 from cni_agent.errors import AgentError, ErrorKind, classified
 from cni_agent.node.netns import NetnsError, Pinned
 from cni_agent.sandboxes.journal import is_recorded
-from cni_agent.sandboxes.order import Kind
-from cni_agent.sandboxes.records import Attachment, Phase, SandboxRecord
-from cni_agent.sandboxes.sandbox import (
+from cni_agent.sandboxes.manager import (
     DEFAULT_IFNAME,
     NetworkRequest,
     SandboxManager,
@@ -43,6 +41,8 @@ from cni_agent.sandboxes.sandbox import (
     unless_hung,
     validate_removal_netns,
 )
+from cni_agent.sandboxes.order import Kind
+from cni_agent.sandboxes.records import Attachment, Phase, SandboxRecord
 
 log = logging.getLogger(__name__)
 

@@ -29,9 +29,9 @@ from cni_agent.cni.cache import CachedAttachment
 from cni_agent.cni.config import NetworkConfigList
 from cni_agent.cni.logctx import log_fields
 from cni_agent.cni.result import version_at_least
+from cni_agent.node.blocking import UNANSWERED
 from cni_agent.node.locks import LockTimeout, NetworkLocks, SandboxLocks
 from cni_agent.node.netns import Pinned
-from cni_agent.node.pathwork import UNANSWERED
 from cni_agent.sandboxes.journal import Journal
 from cni_agent.sandboxes.records import Phase, SandboxRecord
 

@@ -24,9 +24,9 @@ from cni_agent.cni.config import NetworkConfigList, parse_list_or_none
 from cni_agent.cni.errors import CNIError, ConfigError
 from cni_agent.cni.logctx import log_fields
 from cni_agent.cni.runtime import CNIRuntime, RuntimeConf
+from cni_agent.node.blocking import PathWorker
 from cni_agent.node.locks import NetworkLocks
 from cni_agent.node.netns import NetnsError, NetnsId, Pinned, interfaces, loopback_up, with_sandbox
-from cni_agent.node.pathwork import PathWorker
 from cni_agent.sandboxes.records import Attachment, Phase, SandboxRecord, SandboxStore
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ class Journal:
         """The record's namespace, pinned, if its path still names the one
         recorded at ADD; else None (gone, replaced, or no namespace).
 
-        PathTimeout/PathsBusy (`pathwork.UNANSWERED`) when the path hangs:
+        PathTimeout/PathsBusy (`blocking.UNANSWERED`) when the path hangs:
         whether it is alive is not known then.
         """
         if rec is None or not rec.netns or rec.netns_id is None:

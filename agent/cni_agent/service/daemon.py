@@ -24,10 +24,10 @@ from cni_agent.config import AgentConfig
 from cni_agent.node.locks import StateDirBusy, lock_state_dir
 from cni_agent.readiness.monitor import NetworkState
 from cni_agent.service.auth import Authorizer
-from cni_agent.service.core import build_core, instance_of
 from cni_agent.service.dbus_service import BUS_NAME, OBJECT_PATH, AgentInterface
 from cni_agent.service.httpd import HealthServer, ListenError
 from cni_agent.service.notify import Notifier
+from cni_agent.service.wiring import build_core, instance_of
 
 log = logging.getLogger(__name__)
 # Seconds allowed for giving the bus name back at exit.

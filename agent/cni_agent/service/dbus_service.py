@@ -27,7 +27,7 @@ from cni_agent.errors import AgentError, ErrorKind, classify
 from cni_agent.readiness.monitor import Monitor, NetworkState
 from cni_agent.readiness.podcidrs import PodCIDRs
 from cni_agent.sandboxes.attach import AttachRequest
-from cni_agent.sandboxes.sandbox import DEFAULT_IFNAME, NetworkRequest, SandboxManager, SetupRequest
+from cni_agent.sandboxes.manager import DEFAULT_IFNAME, NetworkRequest, SandboxManager, SetupRequest
 from cni_agent.service.auth import Authorizer
 from cni_agent.service.cnicall import READ_ONLY, ShimCalls, command_of
 

@@ -1,7 +1,7 @@
 """What the client commands print: human text (colour only on a TTY), JSON, and help.
 
 Pure functions from the typed values of `cni_agent.cli.client` to strings; the
-JSON shapes are documented in `cni_agent.cli.cli`.
+JSON shapes are documented in `cni_agent.cli.commands`.
 """
 
 from __future__ import annotations

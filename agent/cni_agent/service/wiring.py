@@ -12,17 +12,17 @@ from dataclasses import dataclass
 from cni_agent.cni.exec import Executor, ProcessExecutor
 from cni_agent.cni.runtime import CNIRuntime, Timeouts
 from cni_agent.config import AgentConfig
+from cni_agent.node.blocking import PathWorker
 from cni_agent.node.locks import NetworkLocks, SandboxLocks
-from cni_agent.node.pathwork import PathWorker
 from cni_agent.readiness.fallback import fallback_network
 from cni_agent.readiness.monitor import Monitor
 from cni_agent.readiness.podcidrs import PodCIDRs
 from cni_agent.sandboxes.attach import Attachments
 from cni_agent.sandboxes.gc import Reaper, gc_verb_allowed
 from cni_agent.sandboxes.journal import Journal
+from cni_agent.sandboxes.manager import SandboxManager
+from cni_agent.sandboxes.manager import Timeouts as SandboxTimeouts
 from cni_agent.sandboxes.records import SandboxStore
-from cni_agent.sandboxes.sandbox import SandboxManager
-from cni_agent.sandboxes.sandbox import Timeouts as SandboxTimeouts
 from cni_agent.service.cnicall import ShimCalls
 from cni_agent.service.metrics import Metrics
 

@@ -31,9 +31,9 @@ from cni_agent.cni.config import NetworkConfigList
 from cni_agent.cni.errors import CNIError, InvalidArgument, NoCachedResult
 from cni_agent.cni.logctx import log_fields
 from cni_agent.errors import AgentError, ErrorKind, classified, classify
+from cni_agent.node.blocking import UNANSWERED
 from cni_agent.node.locks import SandboxLocks
 from cni_agent.node.netns import NetnsError, NetnsId, Pinned
-from cni_agent.node.pathwork import UNANSWERED
 from cni_agent.readiness.monitor import Monitor
 from cni_agent.readiness.podcidrs import PodCIDRs
 from cni_agent.sandboxes.gc import Reaper

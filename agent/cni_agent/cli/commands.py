@@ -1,7 +1,7 @@
 """The `cni-agent` command line: `run` (the daemon) and the client commands.
 
 The client commands call `org.cniagent.Agent1` over D-Bus (`cni_agent.cli.client`)
-and print with `cni_agent.cli.cli_output`: short aligned text by default (coloured
+and print with `cni_agent.cli.output`: short aligned text by default (coloured
 only on a terminal, never with NO_COLOR set), JSON with `--json`. Errors are one
 line on stderr, `cni-agent: MEANING: MESSAGE`. Exit status: 0 success, 1 the
 operation failed (including: the agent is not running, `wait` timed out), 2
@@ -42,8 +42,9 @@ from datetime import datetime
 from typing import Any
 
 from cni_agent import __version__
-from cni_agent.cli import cli_sandbox, shim_config
-from cni_agent.cli.cli_output import (
+from cni_agent.cli import sandbox, shim_config
+from cni_agent.cli.client import AgentClient, ClientError, SandboxResult, SetupOptions
+from cni_agent.cli.output import (
     BUS_HELP,
     TOP_EPILOG,
     ManFormatter,
@@ -54,7 +55,6 @@ from cni_agent.cli.cli_output import (
     format_change,
     format_status,
 )
-from cni_agent.cli.client import AgentClient, ClientError, SandboxResult, SetupOptions
 from cni_agent.cni.args import PodMeta, validate_network_name
 from cni_agent.cni.errors import InvalidArgument
 from cni_agent.config import ConfigFileError, load_config
@@ -175,14 +175,14 @@ async def _list(client: AgentClient, args: argparse.Namespace, colour: bool) -> 
 
 
 async def _sandbox_up(client: AgentClient, args: argparse.Namespace, colour: bool) -> int:
-    path = await cli_sandbox.up(client, args.name, args.spec, args.timeout)
+    path = await sandbox.up(client, args.name, args.spec, args.timeout)
     _print_result(await client.show(args.name), False)
     print(f"join it with NetworkNamespacePath={path}")
     return EXIT_OK
 
 
 async def _sandbox_down(client: AgentClient, args: argparse.Namespace, colour: bool) -> int:
-    await cli_sandbox.down(client, args.name)
+    await sandbox.down(client, args.name)
     return EXIT_OK
 
 
@@ -228,7 +228,7 @@ def _seconds(value: str) -> float:
 
 def _network(value: str) -> tuple[str, str]:
     try:
-        return cli_sandbox.split_network(value)
+        return sandbox.split_network(value)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -249,8 +249,8 @@ def _pod(value: str) -> PodMeta:
 
 def _sandbox_name(value: str) -> str:
     try:
-        return cli_sandbox.check_name(value)
-    except cli_sandbox.SpecError as e:
+        return sandbox.check_name(value)
+    except sandbox.SpecError as e:
         raise argparse.ArgumentTypeError(e.message) from None
 
 
@@ -417,12 +417,12 @@ def _sandbox_commands(sub: Any) -> None:
     p.add_argument("name", metavar="NAME", type=_sandbox_name,
                    help="the namespace's name, also the sandbox ID")
     p.add_argument("--timeout", metavar="SECONDS", type=_seconds,
-                   default=cli_sandbox.DEFAULT_TIMEOUT,
-                   help=f"how long to wait for readiness (default: {cli_sandbox.DEFAULT_TIMEOUT:g})")
-    p.add_argument("--dir", metavar="DIR", default=cli_sandbox.SANDBOX_DIR,
-                   help=f"where NAME.yaml is looked for (default: {cli_sandbox.SANDBOX_DIR})")
+                   default=sandbox.DEFAULT_TIMEOUT,
+                   help=f"how long to wait for readiness (default: {sandbox.DEFAULT_TIMEOUT:g})")
+    p.add_argument("--dir", metavar="DIR", default=sandbox.SANDBOX_DIR,
+                   help=f"where NAME.yaml is looked for (default: {sandbox.SANDBOX_DIR})")
     # Read before connecting: a broken file is a usage error whether or not the agent runs.
-    p.set_defaults(prepare=lambda a: setattr(a, "spec", cli_sandbox.load_spec(a.dir, a.name)))
+    p.set_defaults(prepare=lambda a: setattr(a, "spec", sandbox.load_spec(a.dir, a.name)))
     p = _command(verbs, "down", "tear the sandbox down and delete the namespace", """
         Tear sandbox NAME down, then delete /run/netns/NAME. Succeeds when there is
         nothing to do; keeps the namespace when the teardown fails.""",

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from cni_agent.errors import AgentError, ErrorKind
-from cni_agent.node.pathwork import PathsBusy, PathTimeout, PathWorker
+from cni_agent.node.blocking import PathsBusy, PathTimeout, PathWorker
 
 
 async def test_a_stuck_path_times_out_with_a_named_error_and_the_loop_keeps_running() -> None:
