@@ -35,7 +35,8 @@
 
 /* VERSION is answered here, without the agent: it is about this binary, and
  * runtimes ask it while validating configs, agent running or not. The list is
- * the agent's too (cni_agent/cli/shim_config.py; a test compares them). */
+ * the agent's too (SHIM_VERSIONS in cni_agent/cni/config.py; a test
+ * compares them). */
 #define SUPPORTED_VERSIONS "\"0.3.0\",\"0.3.1\",\"0.4.0\",\"1.0.0\",\"1.1.0\""
 
 #define CODE_TRY_AGAIN_LATER 11

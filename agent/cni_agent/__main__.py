@@ -1,3 +1,3 @@
-from cni_agent.cli.commands import main
+from cni_agent.main import main
 
 raise SystemExit(main())

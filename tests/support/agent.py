@@ -257,7 +257,7 @@ def as_user_python(user: str) -> list[str]:
     """The command prefix that runs the `cni-agent` CLI as `user`."""
     return [*as_user(user), "/usr/bin/python3", "-I", "-c",
             f"import sys; sys.path.insert(0, {str(readable_source())!r}); "
-            "from cni_agent.cli.commands import main; sys.exit(main())"]
+            "from cni_agent.main import main; sys.exit(main())"]
 
 
 def as_user(user: str) -> list[str]:

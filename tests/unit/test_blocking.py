@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from cni_agent.errors import AgentError, ErrorKind
+from cni_agent.api import AgentError, ErrorKind
 from cni_agent.node.blocking import PathsBusy, PathTimeout, PathWorker
 
 

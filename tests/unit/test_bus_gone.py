@@ -16,10 +16,11 @@ import pytest
 from dbus_fast import Message
 from dbus_fast.aio import MessageBus
 
+from cni_agent.api import OBJECT_PATH
+from cni_agent.bus import connect
 from cni_agent.readiness.monitor import NetworkState
 from cni_agent.service.auth import Authorizer
-from cni_agent.service.daemon import connect
-from cni_agent.service.dbus_service import OBJECT_PATH, AgentInterface
+from cni_agent.service.dbus_service import AgentInterface
 from tests.support.agent import Bus
 from tests.unit.test_orchestration import Node
 

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from cni_agent.cli.shim_config import SUPPORTED_VERSIONS, conflist
+from cni_agent.api import AgentError, ErrorKind
+from cni_agent.cli.shim_config import conflist
+from cni_agent.cni.config import SHIM_VERSIONS
 from cni_agent.cni.errors import InvalidArgument, PluginError
-from cni_agent.errors import AgentError, ErrorKind
 from cni_agent.service.cnicall import Refusal, ShimCall, failure_answer, parse_call, parse_cni_args
 
 REPO = Path(__file__).resolve().parents[2]
@@ -104,7 +105,7 @@ def test_the_c_shim_answers_version_with_the_agents_list() -> None:
     source = (REPO / "shim" / "cni-agent-shim.c").read_text()
     line = re.search(r'#define SUPPORTED_VERSIONS "(.*)"', source)
     assert line is not None
-    assert json.loads("[" + line.group(1).replace('\\"', '"') + "]") == list(SUPPORTED_VERSIONS)
+    assert json.loads("[" + line.group(1).replace('\\"', '"') + "]") == list(SHIM_VERSIONS)
 
 
 def test_shim_config_is_a_conflist_a_runtime_loads() -> None:

@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
+from cni_agent.api import AgentError, ErrorKind
 from cni_agent.config import AgentConfig, GCConfig, MonitorConfig, TimeoutsConfig
-from cni_agent.errors import AgentError, ErrorKind
 from cni_agent.node.netns import check_netns, netns_identity
 from cni_agent.sandboxes.manager import NetworkRequest, SetupRequest
 from cni_agent.sandboxes.records import Attachment, Phase, SandboxRecord

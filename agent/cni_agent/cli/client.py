@@ -22,9 +22,9 @@ from typing import Any, cast
 from dbus_fast import Message, MessageType, Variant
 from dbus_fast.aio import MessageBus
 
+from cni_agent.api import BUS_NAME, ERROR_PREFIX, INTERFACE, OBJECT_PATH, ErrorKind
+from cni_agent.bus import connect
 from cni_agent.cni.args import PodMeta
-from cni_agent.errors import ErrorKind
-from cni_agent.service.dbus_service import BUS_NAME, ERROR_PREFIX, INTERFACE, OBJECT_PATH
 
 DBUS_NAME = DBUS_INTERFACE = "org.freedesktop.DBus"
 DBUS_PATH = "/org/freedesktop/DBus"
@@ -228,8 +228,6 @@ class AgentClient:
 
     @classmethod
     async def connect(cls, bus: str = "system") -> AgentClient:
-        from cni_agent.service.daemon import connect  # the daemon's bus selection, lazily (heavy import)
-
         try:
             return cls(await connect(bus), bus)
         except (OSError, ValueError, KeyError) as e:

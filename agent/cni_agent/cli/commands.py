@@ -56,32 +56,16 @@ from cni_agent.cli.output import (
     format_status,
 )
 from cni_agent.cni.args import PodMeta, validate_network_name
+from cni_agent.cni.config import SHIM_VERSIONS
 from cni_agent.cni.errors import InvalidArgument
-from cni_agent.config import ConfigFileError, load_config
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 DEFAULT_WAIT = 30.0
 
 ClientCommand = Callable[[AgentClient, argparse.Namespace, bool], Awaitable[int]]
-
-
-def _run(args: argparse.Namespace) -> int:
-    from cni_agent.service.daemon import Daemon, StartupError
-    from cni_agent.service.logs import setup_logging
-
-    try:
-        cfg = load_config(args.config)
-    except ConfigFileError as e:
-        print(f"cni-agent: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    if args.bus:
-        cfg = cfg.replace(bus=args.bus)
-    setup_logging(cfg.log_level)
-    try:
-        return asyncio.run(Daemon(cfg).run())
-    except StartupError as e:
-        print(f"cni-agent: {e}", file=sys.stderr)
-        return e.exit_status
+# `cni-agent run`: (config path, bus) -> exit status. Given by the entry point
+# (cni_agent.main), so the CLI itself never imports the daemon.
+RunDaemon = Callable[[str | None, str | None], int]
 
 
 # --- the client commands ------------------------------------------------------------
@@ -305,7 +289,6 @@ def build_parser() -> argparse.ArgumentParser:
                      help="YAML configuration (default: /etc/cni-agent/agent.yaml if present)")
     run.add_argument("--bus", metavar="BUS", default=argparse.SUPPRESS,
                      help="system (default), session, or a D-Bus address")
-    run.set_defaults(func=_run)
 
     p = _command(sub, "status", "show network readiness and the agent's networks", """
         Show whether the network is ready (NetworkReady), the agent's one-line Status, the
@@ -380,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", metavar="NAME", default="", type=_network_name,
                    help="the network's name for the runtime (default: --network, else cni-agent)")
     p.add_argument("--cni-version", metavar="VERSION", default=shim_config.DEFAULT_VERSION,
-                   choices=shim_config.SUPPORTED_VERSIONS,
+                   choices=SHIM_VERSIONS,
                    help=f"cniVersion (default: {shim_config.DEFAULT_VERSION}, which every runtime "
                         "reads; 1.1.0 adds STATUS and GC, for runtimes on libcni >= 1.2 such as "
                         "containerd 2)")
@@ -431,7 +414,7 @@ def _sandbox_commands(sub: Any) -> None:
                    help="the namespace's name, also the sandbox ID")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, run_daemon: RunDaemon | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     command: ClientCommand | None = getattr(args, "client_command", None)
@@ -443,6 +426,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"cni-agent: {e}", file=sys.stderr)
                 return EXIT_USAGE
         return _run_client(command, args)
+    if args.command == "run":
+        if run_daemon is None:
+            print("cni-agent: run: this entry point has no daemon (use `cni-agent run`)", file=sys.stderr)
+            return EXIT_USAGE
+        return run_daemon(args.config, getattr(args, "bus", None))
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)
         return EXIT_USAGE

@@ -9,7 +9,6 @@ from typing import Any
 
 from cni_agent.cni.config import SHIM_TYPE
 
-SUPPORTED_VERSIONS = ("0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0")
 # Runtimes pass a capability only to a plugin that declares it; the agent then
 # hands each of its plugins those that plugin declares.
 CAPABILITIES = ("portMappings", "bandwidth", "ipRanges", "ips", "mac", "dns", "aliases",

@@ -22,6 +22,9 @@ MAX_CONFIG_BYTES = 1024 * 1024
 LATEST_VERSION = "1.1.0"
 # The plugin that forwards a runtime's CNI calls to this agent (see `cni_agent.service.cnicall`).
 SHIM_TYPE = "cni-agent-shim"
+# The cniVersions a conflist of the shim may declare (shim/cni-agent-shim.c answers
+# VERSION with the same list; a test compares them).
+SHIM_VERSIONS = ("0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0")
 
 
 @dataclass(frozen=True)

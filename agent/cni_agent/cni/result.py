@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import ipaddress
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from cni_agent.cni.errors import ResultError
@@ -343,3 +343,19 @@ def convert_result(result: dict[str, Any], to_version: str) -> dict[str, Any]:
         out = step(out, to_version)
         family += 1 if family < target else -1
     return {"cniVersion": to_version, **{k: v for k, v in out.items() if k != "cniVersion"}}
+
+
+def with_sandbox(result: Mapping[str, Any], path: str) -> dict[str, Any]:
+    """`result` with every interface's non-empty `sandbox` set to `path`.
+
+    Sandboxed interfaces of an attachment are all in its one namespace: plugins
+    see it as the pinned handle, the cache and callers as the caller's path.
+    """
+    out = dict(result)
+    ifaces = out.get("interfaces")
+    if isinstance(ifaces, list):
+        out["interfaces"] = [
+            {**i, "sandbox": path} if isinstance(i, dict) and i.get("sandbox") else i
+            for i in ifaces
+        ]
+    return out

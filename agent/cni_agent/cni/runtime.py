@@ -34,9 +34,8 @@ from cni_agent.cni.exec import (
     decode_json,
 )
 from cni_agent.cni.logctx import log_fields
-from cni_agent.cni.result import convert_result, parse_result, version_at_least
+from cni_agent.cni.result import convert_result, parse_result, version_at_least, with_sandbox
 from cni_agent.cni.trust import PluginPath, check_plugin_dirs
-from cni_agent.node.netns import with_sandbox
 
 log = logging.getLogger(__name__)
 # Verbs whose failure is an expected answer, not an incident.

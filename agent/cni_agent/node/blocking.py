@@ -20,8 +20,8 @@ from concurrent.futures import Future
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, TypeVar
 
+from cni_agent.api import AgentError, ErrorKind
 from cni_agent.cni.errors import InvalidArgument
-from cni_agent.errors import AgentError, ErrorKind
 from cni_agent.node.netns import Pinned, pin
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ import socket
 import stat
 import struct
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -45,7 +45,6 @@ __all__ = [
     "loopback_up",
     "netns_identity",
     "pin",
-    "with_sandbox",
 ]
 
 log = logging.getLogger(__name__)
@@ -315,22 +314,6 @@ def check_netns(path: str, field: str = "netns") -> NetnsId:
     """Identity of the netns at `path`, or InvalidArgument(field, reason)."""
     with pin(path, field) as ns:
         return ns.identity
-
-
-def with_sandbox(result: Mapping[str, Any], path: str) -> dict[str, Any]:
-    """`result` with every interface's non-empty `sandbox` set to `path`.
-
-    Sandboxed interfaces of an attachment are all in its one namespace: plugins
-    see it as the pinned handle, the cache and callers as the caller's path.
-    """
-    out = dict(result)
-    ifaces = out.get("interfaces")
-    if isinstance(ifaces, list):
-        out["interfaces"] = [
-            {**i, "sandbox": path} if isinstance(i, dict) and i.get("sandbox") else i
-            for i in ifaces
-        ]
-    return out
 
 
 def _setns(fd: int) -> None:

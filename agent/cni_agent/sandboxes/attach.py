@@ -19,6 +19,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from cni_agent.api import AgentError, ErrorKind
 from cni_agent.cni.args import (
     build_cni_args,
     validate_container_id,
@@ -29,8 +30,8 @@ from cni_agent.cni.cache import CachedAttachment
 from cni_agent.cni.config import NetworkConfigList
 from cni_agent.cni.errors import CNIError, InvalidArgument, NoCachedResult
 from cni_agent.cni.logctx import log_fields
-from cni_agent.errors import AgentError, ErrorKind, classified
 from cni_agent.node.netns import NetnsError, Pinned
+from cni_agent.sandboxes.errors import classified
 from cni_agent.sandboxes.journal import is_recorded
 from cni_agent.sandboxes.manager import (
     DEFAULT_IFNAME,

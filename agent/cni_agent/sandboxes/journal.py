@@ -23,10 +23,11 @@ from cni_agent.cni.cache import CachedAttachment
 from cni_agent.cni.config import NetworkConfigList, parse_list_or_none
 from cni_agent.cni.errors import CNIError, ConfigError
 from cni_agent.cni.logctx import log_fields
+from cni_agent.cni.result import with_sandbox
 from cni_agent.cni.runtime import CNIRuntime, RuntimeConf
 from cni_agent.node.blocking import PathWorker
 from cni_agent.node.locks import NetworkLocks
-from cni_agent.node.netns import NetnsError, NetnsId, Pinned, interfaces, loopback_up, with_sandbox
+from cni_agent.node.netns import NetnsError, NetnsId, Pinned, interfaces, loopback_up
 from cni_agent.sandboxes.records import Attachment, Phase, SandboxRecord, SandboxStore
 
 log = logging.getLogger(__name__)

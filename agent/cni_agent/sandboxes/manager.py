@@ -19,6 +19,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from cni_agent.api import AgentError, ErrorKind
 from cni_agent.cni.args import (
     PodMeta,
     build_cni_args,
@@ -30,12 +31,12 @@ from cni_agent.cni.cache import CachedAttachment
 from cni_agent.cni.config import NetworkConfigList
 from cni_agent.cni.errors import CNIError, InvalidArgument, NoCachedResult
 from cni_agent.cni.logctx import log_fields
-from cni_agent.errors import AgentError, ErrorKind, classified, classify
 from cni_agent.node.blocking import UNANSWERED
 from cni_agent.node.locks import SandboxLocks
 from cni_agent.node.netns import NetnsError, NetnsId, Pinned
 from cni_agent.readiness.monitor import Monitor
 from cni_agent.readiness.podcidrs import PodCIDRs
+from cni_agent.sandboxes.errors import classified, classify
 from cni_agent.sandboxes.gc import Reaper
 from cni_agent.sandboxes.journal import Journal, is_recorded
 from cni_agent.sandboxes.order import Kind, Sequencer, Ticket

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
 
-from cni_agent.errors import AgentError, ErrorKind
+from cni_agent.api import AgentError, ErrorKind
 
 
 class Kind(Enum):

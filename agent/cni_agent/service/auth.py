@@ -15,7 +15,7 @@ from typing import Any
 
 from dbus_fast import Message, MessageType
 
-from cni_agent.errors import AgentError, ErrorKind
+from cni_agent.api import AgentError, ErrorKind
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from cni_agent.cli.shim_config import SUPPORTED_VERSIONS
-from cni_agent.cni.config import SHIM_TYPE
+from cni_agent.api import AgentError, ErrorKind
+from cni_agent.cni.config import SHIM_TYPE, SHIM_VERSIONS
 from cni_agent.cni.errors import (
     CODE_DECODE_FAILURE,
     CODE_INCOMPATIBLE_VERSION,
@@ -33,9 +33,9 @@ from cni_agent.cni.errors import (
 )
 from cni_agent.cni.result import convert_result
 from cni_agent.cni.runtime import LEGACY_ATTACHMENTS_KEY, VALID_ATTACHMENTS_KEY
-from cni_agent.errors import AgentError, ErrorKind, classify
 from cni_agent.readiness.monitor import Monitor
 from cni_agent.sandboxes.attach import Attachments, AttachRequest
+from cni_agent.sandboxes.errors import classify
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ def error_answer(code: int, msg: str, details: str = "", version: str = "1.1.0")
 
 def version_answer(version: str = "1.1.0") -> Answer:
     return Answer(0, json.dumps({"cniVersion": version,
-                                 "supportedVersions": list(SUPPORTED_VERSIONS)}))
+                                 "supportedVersions": list(SHIM_VERSIONS)}))
 
 
 # --- parsing ------------------------------------------------------------------------
@@ -151,10 +151,10 @@ def parse_call(env: Mapping[str, str], config: str) -> ShimCall:
     if not isinstance(conf, dict):
         raise Refusal(CODE_DECODE_FAILURE, "the network configuration is not a JSON object")
     version = conf.get("cniVersion")
-    if version not in SUPPORTED_VERSIONS:
+    if version not in SHIM_VERSIONS:
         raise Refusal(CODE_INCOMPATIBLE_VERSION,
                       f"cniVersion {version!r} is not supported by {SHIM_TYPE}",
-                      "supported: " + ", ".join(SUPPORTED_VERSIONS))
+                      "supported: " + ", ".join(SHIM_VERSIONS))
     if command == "VERSION":
         return ShimCall(command, version)
     origin, network = conf.get("name"), conf.get("network", "")

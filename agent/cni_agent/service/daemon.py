@@ -14,18 +14,21 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 
-from dbus_fast import BusType
 from dbus_fast.aio import MessageBus
 from dbus_fast.constants import NameFlag, RequestNameReply
 
+from cni_agent.api import BUS_NAME, OBJECT_PATH
+from cni_agent.bus import connect
 from cni_agent.cni.exec import kill_leftovers
-from cni_agent.config import AgentConfig
+from cni_agent.config import AgentConfig, ConfigFileError, load_config
 from cni_agent.node.locks import StateDirBusy, lock_state_dir
 from cni_agent.readiness.monitor import NetworkState
 from cni_agent.service.auth import Authorizer
-from cni_agent.service.dbus_service import BUS_NAME, OBJECT_PATH, AgentInterface
+from cni_agent.service.dbus_service import AgentInterface
 from cni_agent.service.httpd import HealthServer, ListenError
+from cni_agent.service.logs import setup_logging
 from cni_agent.service.notify import Notifier
 from cni_agent.service.wiring import build_core, instance_of
 
@@ -40,31 +43,6 @@ class StartupError(Exception):
     def __init__(self, message: str, exit_status: int = 1) -> None:
         super().__init__(message)
         self.exit_status = exit_status
-
-
-class _Bus(MessageBus):
-    """A connection that is finalized once.
-
-    dbus-fast (1.84 and 5.2 alike) finalizes a connection again whenever a send
-    fails after it broke (the reply to a call that was in flight when the bus
-    went away), and each time removes the loop's reader and writer of the fd
-    number its socket had. By then that number may belong to another file: a
-    plugin's pidfd, whose exit is then never seen — the plugin's reaper waits
-    forever and the agent never exits.
-    """
-
-    def _finalize(self, err: Exception | None = None) -> None:
-        if self._disconnected:
-            return
-        super()._finalize(err)
-
-
-async def connect(bus: str) -> MessageBus:
-    if bus == "system":
-        return await _Bus(bus_type=BusType.SYSTEM).connect()
-    if bus == "session":
-        return await _Bus(bus_type=BusType.SESSION).connect()
-    return await _Bus(bus_address=bus).connect()
 
 
 def _prepare_dirs(cfg: AgentConfig) -> None:
@@ -251,3 +229,20 @@ class Daemon:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(bus.release_name(BUS_NAME), RELEASE_TIMEOUT)
         log.info("cni-agent stopped")
+
+
+def run(config_path: str | None, bus: str | None) -> int:
+    """`cni-agent run`: the daemon in the foreground until SIGTERM; its exit status."""
+    try:
+        cfg = load_config(config_path)
+    except ConfigFileError as e:
+        print(f"cni-agent: {e}", file=sys.stderr)
+        return 2  # a usage error, as the CLI's
+    if bus:
+        cfg = cfg.replace(bus=bus)
+    setup_logging(cfg.log_level)
+    try:
+        return asyncio.run(Daemon(cfg).run())
+    except StartupError as e:
+        print(f"cni-agent: {e}", file=sys.stderr)
+        return e.exit_status

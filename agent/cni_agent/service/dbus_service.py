@@ -21,22 +21,19 @@ from dbus_fast.constants import PropertyAccess
 from dbus_fast.errors import DBusError
 from dbus_fast.service import ServiceInterface, dbus_property, method
 
+from cni_agent.api import ERROR_PREFIX, INTERFACE, OBJECT_PATH, AgentError, ErrorKind
 from cni_agent.cni.args import PodMeta
 from cni_agent.cni.errors import InvalidArgument
-from cni_agent.errors import AgentError, ErrorKind, classify
 from cni_agent.readiness.monitor import Monitor, NetworkState
 from cni_agent.readiness.podcidrs import PodCIDRs
 from cni_agent.sandboxes.attach import AttachRequest
+from cni_agent.sandboxes.errors import classify
 from cni_agent.sandboxes.manager import DEFAULT_IFNAME, NetworkRequest, SandboxManager, SetupRequest
 from cni_agent.service.auth import Authorizer
 from cni_agent.service.cnicall import READ_ONLY, ShimCalls, command_of
 
 log = logging.getLogger(__name__)
 
-BUS_NAME = "org.cniagent.Agent1"
-OBJECT_PATH = "/org/cniagent/Agent1"
-INTERFACE = "org.cniagent.Agent1"
-ERROR_PREFIX = "org.cniagent.Agent1.Error."
 
 MAX_CAPABILITIES_BYTES = 64 * 1024
 MAX_JSON_DEPTH = 32

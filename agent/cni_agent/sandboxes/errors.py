@@ -1,15 +1,15 @@
-"""Agent-level errors: each maps to exactly one D-Bus error name.
+"""Every exception the daemon's layers raise, as the one `api.AgentError` it means.
 
-The core raises these (or `cni_agent.cni` errors, classified here), so the
-D-Bus layer is a lookup, never a guess.
+The core raises AgentErrors (or `cni_agent.cni` errors and lock timeouts,
+classified here), so the D-Bus layer is a lookup, never a guess.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from enum import StrEnum
 
+from cni_agent.api import AgentError, ErrorKind
 from cni_agent.cni.errors import (
     CacheError,
     ConfigError,
@@ -21,27 +21,6 @@ from cni_agent.cni.errors import (
     ResultError,
 )
 from cni_agent.node.locks import LockTimeout
-
-
-class ErrorKind(StrEnum):
-    INVALID_ARGUMENT = "InvalidArgument"
-    NOT_READY = "NotReady"
-    NOT_FOUND = "NotFound"
-    BUSY = "Busy"
-    PLUGIN_FAILED = "PluginFailed"
-    TIMEOUT = "Timeout"
-    ACCESS_DENIED = "AccessDenied"
-    SHUTTING_DOWN = "ShuttingDown"
-    CANCELLED = "Cancelled"
-
-
-class AgentError(Exception):
-    """A failure a caller can act on: a kind and one human line."""
-
-    def __init__(self, kind: ErrorKind, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.message = message
 
 
 def classify(exc: BaseException) -> AgentError:

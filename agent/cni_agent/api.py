@@ -1,0 +1,36 @@
+"""The D-Bus API's names, shared by the agent and every client: bus name, object, interface, errors.
+
+Imports nothing, so a client (`cni-agent status`) pays for none of the daemon.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+BUS_NAME = "org.cniagent.Agent1"
+OBJECT_PATH = "/org/cniagent/Agent1"
+INTERFACE = "org.cniagent.Agent1"
+ERROR_PREFIX = "org.cniagent.Agent1.Error."
+
+
+class ErrorKind(StrEnum):
+    """The last part of each D-Bus error name (`ERROR_PREFIX + kind`)."""
+
+    INVALID_ARGUMENT = "InvalidArgument"
+    NOT_READY = "NotReady"
+    NOT_FOUND = "NotFound"
+    BUSY = "Busy"
+    PLUGIN_FAILED = "PluginFailed"
+    TIMEOUT = "Timeout"
+    ACCESS_DENIED = "AccessDenied"
+    SHUTTING_DOWN = "ShuttingDown"
+    CANCELLED = "Cancelled"
+
+
+class AgentError(Exception):
+    """A failure a caller can act on: a kind and one human line."""
+
+    def __init__(self, kind: ErrorKind, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
