@@ -35,6 +35,7 @@ lint: setup
 	$(VENV)/bin/ruff check . tools/test-systemd
 	$(VENV)/bin/mypy
 	$(VENV)/bin/mypy --strict tools/test-systemd
+	$(VENV)/bin/lint-imports --no-logo --no-cache
 
 test: setup $(SHIM) lint unit-py313
 	$(PY) -m pytest $(PYTEST_ARGS)
