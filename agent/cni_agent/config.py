@@ -53,6 +53,9 @@ class GCConfig:
     # Networks the GC verb is sent to: names, or "*". Default none: on a node
     # whose conf dir a runtime shares, GC would release the runtime's pods.
     networks: tuple[str, ...] = ()
+    # Seconds between reaping passes (dead namespaces, unfinished or damaged
+    # records), whether anyone calls or not; 0 turns them off.
+    interval: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -179,7 +182,7 @@ _SECTIONS: dict[str, tuple[type[Any], Mapping[str, Any]]] = {
     "timeouts": (TimeoutsConfig, {"del" if f.name == "delete" else f.name: _duration
                                   for f in dataclasses.fields(TimeoutsConfig)}),
     "access": (AccessConfig, {"groups": _str_list}),
-    "gc": (GCConfig, {"networks": _str_list}),
+    "gc": (GCConfig, {"networks": _str_list, "interval": _duration}),
     "http": (HTTPConfig, {"listen": _listen}),
 }
 

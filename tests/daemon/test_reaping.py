@@ -126,31 +126,6 @@ def test_fallback_network_serves_until_a_real_config_appears(
         delete_link("cniagent0")
 
 
-def test_without_a_kernel_namespace_id_the_interface_and_mac_confirm_identity(
-    make_agent: Callable[..., Agent], bridge_chain: str, control: Control, netns: str,
-    tmp_path: Path,
-) -> None:
-    """(st_dev, st_ino) may be a recreated namespace's: on kernels without
-    NS_GET_ID (here: a record written without one) the attachment's eth0 and its
-    MAC must still be there, or the sandbox is dead and reaped."""
-    agent = make_agent()
-    agent.setup("pod", netns)
-    record = tmp_path / "state" / "sandboxes" / "pod.json"
-    doc = json.loads(record.read_text())
-    doc["netnsId"]["nsId"] = None
-    record.write_text(json.dumps(doc))
-    control.reset_records()
-    agent.call("GarbageCollect", "as", "1", "pod")
-    assert agent.call("ListSandboxes")[0] == ["pod"]  # eth0 with its MAC: the same namespace
-    assert _dels(control) == {}
-    subprocess.run(["ip", "-n", _netns_name(netns), "link", "set", "eth0", "address",
-                    "02:00:00:12:34:56"], check=True)
-    agent.call("GarbageCollect", "as", "1", "pod")
-    assert agent.call("ListSandboxes")[0] == []
-    assert _dels(control) == {"pod": ""}  # another namespace: DEL without it
-    assert allocations(tmp_path / "ipam", "pods") == []
-
-
 def test_a_different_kernel_namespace_id_marks_the_sandbox_dead_though_the_inode_matches(
     make_agent: Callable[..., Agent], bridge_chain: str, control: Control, netns: str,
     tmp_path: Path,

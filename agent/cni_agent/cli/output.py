@@ -53,7 +53,10 @@ def format_attachments(result: SandboxResult) -> str:
         return ""
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)
-    return "\n".join(f"{n:<{w0}}  {i:<{w1}}  {addrs}" for n, i, addrs in rows)
+    text = "\n".join(f"{n:<{w0}}  {i:<{w1}}  {addrs}" for n, i, addrs in rows)
+    if damaged := result.document.get("damaged_record"):
+        text += f"\n(the sandbox's record was damaged: {damaged}; shown from its cache entries)"
+    return text
 
 
 def format_change(st: AgentStatus, when: datetime, colour: bool) -> str:

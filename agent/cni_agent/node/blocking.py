@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from cni_agent.api import AgentError, ErrorKind
 from cni_agent.cni.errors import InvalidArgument
-from cni_agent.node.netns import Pinned, pin
+from cni_agent.node.netns import NetnsUnknown, Pinned, pin
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -51,8 +51,9 @@ class PathsBusy(AgentError):
                                          "they do")
 
 
-# Either means: whether the path names a namespace is not known now.
-UNANSWERED = (PathTimeout, PathsBusy)
+# Each means: whether the path names a namespace is not known now, so what
+# it named must be taken as alive (never reaped) until it is known.
+UNANSWERED = (PathTimeout, PathsBusy, NetnsUnknown)
 
 
 class PathWorker:
@@ -186,8 +187,12 @@ def _copy_result(cfut: Future[_T], afut: asyncio.Future[_T]) -> None:
 
 
 def _pin_or_none(path: str, field: str) -> Pinned | None:
+    """None only where the path names no network namespace (or the agent's own);
+    any other failure (EACCES, EMFILE, ENOMEM) is NetnsUnknown, not "gone"."""
     try:
         return pin(path, field)
+    except NetnsUnknown:
+        raise
     except InvalidArgument:
         return None
 

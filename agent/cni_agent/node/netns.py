@@ -37,6 +37,7 @@ __all__ = [
     "Interface",
     "NetnsError",
     "NetnsId",
+    "NetnsUnknown",
     "Pinned",
     "bring_up_loopback",
     "check_netns",
@@ -51,6 +52,10 @@ log = logging.getLogger(__name__)
 
 NS_GET_NSTYPE = 0xB703  # ioctl on an nsfs fd: returns the CLONE_NEW* type
 NS_GET_ID = 0x8008B70D  # _IOR(0xb7, 13, u64): the namespace's id, never reused (Linux >= 6.11)
+SO_NETNS_COOKIE = 71  # getsockopt: the socket's netns cookie, never reused in a boot (Linux >= 5.14)
+# Test seam: set to "1", the agent acts as on a kernel without NS_GET_ID
+# (< 6.11: RHEL 9, Debian 12), so CI on a newer kernel covers that path.
+NO_NS_GET_ID_ENV = "CNI_AGENT_TEST_NO_NS_GET_ID"
 CLONE_NEWNET = 0x40000000
 NSFS_MAGIC = 0x6E736673  # statfs f_type of namespace files
 _NS_TYPES = {
@@ -81,12 +86,21 @@ def _fs_type(fd: int) -> int:
 
 
 class NetnsError(Exception):
-    """A namespace could not be opened or configured."""
+    """A namespace could not be opened or configured.
 
-    def __init__(self, path: str, reason: str) -> None:
+    `gone`: the path names no network namespace (ENOENT, another kind of
+    file); False when that cannot be told (EACCES, EMFILE, ENOMEM, ...).
+    """
+
+    def __init__(self, path: str, reason: str, gone: bool = True) -> None:
         super().__init__(f"network namespace {_show(path)}: {reason}")
         self.path = path
         self.reason = reason
+        self.gone = gone
+
+
+class NetnsUnknown(InvalidArgument):
+    """Whether a path names a network namespace cannot be told now: never "gone"."""
 
 
 def _boot_id() -> str:
@@ -101,55 +115,82 @@ def _boot_id() -> str:
 class NetnsId:
     """Which namespace a path named when it was recorded.
 
-    (st_dev, st_ino) of an nsfs file is reused once the namespace is freed; the
-    kernel's namespace id (NS_GET_ID) is not, within a boot. Both are kept,
-    with the boot they belong to.
+    (st_dev, st_ino) of an nsfs file is reused once the namespace is freed, at
+    once; the kernel's namespace id (NS_GET_ID, Linux >= 6.11) and, where that
+    is missing, the netns cookie of a socket made inside it (Linux >= 5.14) are
+    not, within a boot. What there is is kept, with the boot it belongs to.
+    Nothing a process inside can change (interface names, MACs) counts.
     """
 
     dev: int
     ino: int
     nsid: int | None = None
     boot: str = ""
+    cookie: int | None = None
 
     def same(self, other: NetnsId | None) -> bool:
-        """Whether `other` is certainly or (without a kernel id) plausibly the same namespace."""
+        """Whether `other` is certainly or (with only the inode) plausibly the same namespace."""
         if other is None:
             return False
         if self.boot and other.boot and self.boot != other.boot:
             return False
         if self.nsid is not None and other.nsid is not None:
             return self.nsid == other.nsid
+        if self.cookie is not None and other.cookie is not None:
+            return self.cookie == other.cookie
         return (self.dev, self.ino) == (other.dev, other.ino)
 
     @property
     def certain(self) -> bool:
-        """True when identity rests on the kernel's unique id, not on a reusable inode."""
-        return self.nsid is not None
+        """True when identity rests on an id never reused in a boot, not on a reusable inode."""
+        return self.nsid is not None or self.cookie is not None
 
     def to_json(self) -> dict[str, object]:
-        return {"dev": self.dev, "ino": self.ino, "nsId": self.nsid, "boot": self.boot}
+        doc: dict[str, object] = {"dev": self.dev, "ino": self.ino, "nsId": self.nsid,
+                                  "boot": self.boot}
+        if self.cookie is not None:
+            doc["cookie"] = self.cookie
+        return doc
 
     @classmethod
     def from_json(cls, doc: object) -> NetnsId | None:
         if isinstance(doc, list) and len(doc) == 2:  # records of 0.1.0: [dev, ino]
             return cls(int(doc[0]), int(doc[1]))
         if isinstance(doc, dict):
-            nsid = doc.get("nsId")
+            nsid, cookie = doc.get("nsId"), doc.get("cookie")
             return cls(int(doc["dev"]), int(doc["ino"]), None if nsid is None else int(nsid),
-                       str(doc.get("boot", "")))
+                       str(doc.get("boot", "")), None if cookie is None else int(cookie))
         return None
 
 
 def fd_identity(fd: int) -> NetnsId:
-    """The identity of the namespace an nsfs fd refers to."""
+    """The identity of the namespace an nsfs fd refers to; blocking (it may
+    setns() this thread for a moment: run it on a worker thread)."""
     st = os.fstat(fd)
-    buf = bytearray(8)
+    nsid: int | None = None
+    if os.environ.get(NO_NS_GET_ID_ENV) != "1":
+        buf = bytearray(8)
+        try:
+            fcntl.ioctl(fd, NS_GET_ID, buf, True)
+            nsid = int.from_bytes(buf, sys.byteorder)
+        except OSError:  # older kernels: ENOTTY
+            nsid = None
+    cookie = _netns_cookie(fd) if nsid is None else None
+    return NetnsId(st.st_dev, st.st_ino, nsid, _boot_id(), cookie)
+
+
+def _netns_cookie(fd: int) -> int | None:
+    """The cookie of the namespace `fd` (from a socket made inside it); None
+    before Linux 5.14, where only the inode is left."""
+    def cookie() -> int:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            return int.from_bytes(s.getsockopt(socket.SOL_SOCKET, SO_NETNS_COOKIE, 8),
+                                  sys.byteorder)
+
     try:
-        fcntl.ioctl(fd, NS_GET_ID, buf, True)
-        nsid: int | None = int.from_bytes(buf, sys.byteorder)
-    except OSError:  # older kernels: ENOTTY
-        nsid = None
-    return NetnsId(st.st_dev, st.st_ino, nsid, _boot_id())
+        return _inside_fd(fd, cookie)
+    except OSError:  # ENOPROTOOPT: no cookies on this kernel
+        return None
 
 
 @dataclass(frozen=True)
@@ -195,20 +236,24 @@ def _open_netns(path: str) -> int:
         raise NetnsError(path, "is not an absolute path")
     try:
         opath = os.open(path, os.O_PATH | os.O_CLOEXEC)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         raise NetnsError(path, "does not exist") from None
     except OSError as e:
-        raise NetnsError(path, f"cannot open: {e.strerror}") from None
+        raise NetnsError(path, f"cannot open: {e.strerror}", gone=False) from None
     try:
-        if (why := _kind(os.fstat(opath).st_mode)) is not None:
+        try:
+            mode, fs_type = os.fstat(opath).st_mode, _fs_type(opath)
+        except OSError as e:
+            raise NetnsError(path, f"cannot stat: {e.strerror}", gone=False) from None
+        if (why := _kind(mode)) is not None:
             raise NetnsError(path, why)
-        if _fs_type(opath) != NSFS_MAGIC:
+        if fs_type != NSFS_MAGIC:
             raise NetnsError(path, "is a regular file, not a namespace")
         flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY  # no O_CREAT
         try:
             fd = os.open(f"/proc/self/fd/{opath}", flags)
         except OSError as e:
-            raise NetnsError(path, f"cannot open: {e.strerror}") from None
+            raise NetnsError(path, f"cannot open: {e.strerror}", gone=False) from None
     finally:
         os.close(opath)
     try:
@@ -294,9 +339,12 @@ def pin(path: str, field: str = "netns") -> Pinned:
     try:
         fd = _open_netns(path)
     except NetnsError as e:
-        raise InvalidArgument(field, f"{_show(path)} {e.reason}") from None
+        raise (InvalidArgument if e.gone else NetnsUnknown)(field, f"{_show(path)} {e.reason}") from None
     try:
-        ident = fd_identity(fd)
+        try:
+            ident = fd_identity(fd)
+        except OSError as e:
+            raise NetnsUnknown(field, f"{_show(path)}: cannot identify: {e.strerror}") from None
         # /proc/self is the main thread, which never leaves the agent's namespace;
         # two live namespaces never share an inode, and we hold this one open.
         own = os.stat("/proc/self/ns/net")
@@ -328,9 +376,13 @@ def _inside(target: Pinned, make: Callable[[], _T]) -> _T:
     For sockets: one stays bound to the namespace it was created in, so the
     thread goes straight back and uses it from home.
     """
+    return _inside_fd(target.fd, make)
+
+
+def _inside_fd(fd: int, make: Callable[[], _T]) -> _T:
     home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
     try:
-        _setns(target.fd)
+        _setns(fd)
         return make()
     finally:
         try:

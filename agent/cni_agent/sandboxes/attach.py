@@ -80,6 +80,14 @@ def _mine(a: Attachment, network: str, origin: str) -> bool:
     return (not network or a.network == network) and (not origin or a.origin == origin)
 
 
+def _through(network: str, origin: str) -> str:
+    """How an attachment or a call came: a runtime's network (shim) and the agent's."""
+    if origin:
+        return f"runtime network {origin!r} (agent network {network!r})" if network else \
+            f"runtime network {origin!r}"
+    return f"agent network {network!r}" if network else "any network"
+
+
 class Attachments:
     def __init__(self, manager: SandboxManager) -> None:
         self.m = manager
@@ -173,8 +181,12 @@ class Attachments:
                 recorded = rec.attachment(ifname) if rec is not None else None
                 if rec is not None and recorded is not None:
                     if not _mine(recorded, network, origin):
-                        log.info("DEL of %s on %s: it belongs to network %s, not this one; "
-                                 "nothing to do", ifname, sandbox_id, recorded.network)
+                        # Most often a runtime's conflist renamed since the ADD: say
+                        # both names. Reaping frees it once its namespace is gone.
+                        log.warning("DEL of %s on %s from %s: it was made through %s; nothing "
+                                    "to do (was the runtime's network renamed since?)", ifname,
+                                    sandbox_id, _through(network, origin),
+                                    _through(recorded.network, recorded.origin))
                         return
                     async with unless_hung(m.journal.live_netns(rec, entries)) as ns:
                         await self._remove(rec, ifname, ns, entries)

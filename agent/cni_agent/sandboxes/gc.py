@@ -32,7 +32,7 @@ from cni_agent.cni.result import version_at_least
 from cni_agent.node.blocking import UNANSWERED
 from cni_agent.node.locks import LockTimeout, NetworkLocks, SandboxLocks
 from cni_agent.node.netns import Pinned
-from cni_agent.sandboxes.journal import Journal
+from cni_agent.sandboxes.journal import Journal, Unconfirmed
 from cni_agent.sandboxes.records import Phase, SandboxRecord
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,7 @@ class GCReport:
     rolled_back: list[str] = field(default_factory=list)
     deleted: list[tuple[str, str, str]] = field(default_factory=list)  # network, sandbox, ifname
     busy: list[str] = field(default_factory=list)  # sandboxes in use: looked at next time
+    unconfirmed: list[str] = field(default_factory=list)  # the recorded inode, unconfirmed: kept
     deferred: list[str] = field(default_factory=list)  # networks whose GC verb waits for a quiet instant
     errors: list[str] = field(default_factory=list)
 
@@ -72,6 +73,7 @@ class Reaper:
         lock_timeout: float = 60.0,
         verb_wait: float = 10.0,
         retry_delay: float = 30.0,
+        interval: float = 0.0,
         on_report: Callable[[GCReport], None] = lambda report: None,
     ) -> None:
         self.journal = journal
@@ -86,31 +88,54 @@ class Reaper:
         # Set once start-up recovery is over: no sandbox operation runs before.
         self.recovered = asyncio.Event()
         self._retry: asyncio.Task[None] | None = None
+        self.interval = interval  # between reaping passes; 0: none
+        self._periodic: asyncio.Task[None] | None = None
 
     async def recover(self) -> GCReport:
         """Start-up: finish or undo what a killed agent left half-done."""
         report = GCReport()
         try:
             snap = await asyncio.to_thread(self._snapshot)
-            self._note_unreadable(snap, report)
-            for sid, rec in sorted(snap.records.items()):
-                if rec.phase is not Phase.READY:
-                    await self._reap(sid, None, report, wait=self._lock_timeout)
+            for sid in sorted({*snap.unreadable, *(s for s, r in snap.records.items()
+                                                    if r.phase is not Phase.READY)}):
+                # A damaged record is set aside (under the lock) and its sandbox
+                # handled from its cache entries, like one without a record.
+                await self._reap(sid, None, report, wait=self._lock_timeout)
         finally:
             self.recovered.set()
             self._on_report(report)
         return report
 
-    async def collect(self, valid_ids: Collection[str] | None = None) -> GCReport:
-        """Reap stale attachments and send GC; `valid_ids` overrides liveness detection."""
+    def start_periodic(self) -> None:
+        """Reap every `interval` seconds, unprompted: a namespace deleted while
+        nobody calls (a crashed runtime, a DEL refused or given up) keeps its
+        IP only until the next pass. Each pass pins every record's namespace
+        (bounded by the path threads) and skips a sandbox that is in use."""
+        if self.interval > 0 and self._periodic is None:
+            self._periodic = asyncio.create_task(self._every(), name="cni-agent-reaping")
+
+    async def _every(self) -> None:
+        await self.recovered.wait()
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                await self.collect(verbs=False)
+            except Exception:  # a pass that broke must not end all later ones
+                log.exception("reaping pass failed; the next one runs in %gs", self.interval)
+
+    async def collect(self, valid_ids: Collection[str] | None = None, verbs: bool = True
+                      ) -> GCReport:
+        """Reap stale attachments and (with `verbs`) send GC; `valid_ids`
+        overrides liveness detection."""
         await self.recovered.wait()
         report = GCReport()
         snap = await asyncio.to_thread(self._snapshot)
-        self._note_unreadable(snap, report)
         candidates = await self._candidates(snap, valid_ids, report)
         for sid in candidates:
             await self._reap(sid, valid_ids, report, wait=0)
-        await self._send_gc_verbs([n for n in self._networks() if self._gc_verb(n.name)], report)
+        if verbs:
+            await self._send_gc_verbs([n for n in self._networks() if self._gc_verb(n.name)],
+                                      report)
         for err in report.errors:
             log.warning("gc: %s", err)
         if report.deleted or report.rolled_back:
@@ -155,10 +180,11 @@ class Reaper:
             report.errors.append(f"sandbox {sid}: not looked at: {e}")
 
     async def stop(self) -> None:
-        if self._retry is not None:
-            self._retry.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._retry
+        for task in (self._retry, self._periodic):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     # --- what to look at ---------------------------------------------------------
 
@@ -169,36 +195,36 @@ class Reaper:
             entries.setdefault(e.container_id, []).append(e)
         return _Snapshot({r.sandbox_id: r for r in records}, entries, bad)
 
-    @staticmethod
-    def _note_unreadable(snap: _Snapshot, report: GCReport) -> None:
-        for sid in snap.unreadable:
-            report.errors.append(f"sandbox record {sid} is unreadable; left in place")
-
     async def _candidates(self, snap: _Snapshot, valid_ids: Collection[str] | None,
                           report: GCReport) -> list[str]:
         """Sandboxes that may need work (decided again under their lock)."""
         out = []
-        for sid in sorted(set(snap.records) | set(snap.entries)):
+        for sid in sorted(set(snap.records) | set(snap.entries) | set(snap.unreadable)):
             rec = snap.records.get(sid)
             entries = {(e.network, e.ifname): e for e in snap.entries.get(sid, [])}
             try:
-                if valid_ids is not None and sid not in valid_ids:
+                if sid in snap.unreadable or (valid_ids is not None and sid not in valid_ids):
                     out.append(sid)
                 elif rec is not None:
-                    if rec.phase is not Phase.READY or not await self._alive(rec, entries):
+                    # An inode-only record (0.1.0) also goes to `_reap`, whose lock
+                    # lets a confirmed one take the namespace's stronger identity.
+                    weak = rec.netns_id is not None and not rec.netns_id.certain
+                    if rec.phase is not Phase.READY or weak or not await self._alive(rec, entries):
                         out.append(sid)
                 else:
                     for e in entries.values():
                         if not await self._present(e):
                             out.append(sid)
                             break
+            except Unconfirmed:
+                report.unconfirmed.append(sid)  # alive as far as can be told: kept
             except UNANSWERED as e:
                 report.errors.append(f"sandbox {sid}: not looked at: {e}")  # next GC retries
         return out
 
     async def _alive(self, rec: SandboxRecord, entries: dict[tuple[str, str], CachedAttachment]
                      ) -> bool:
-        async with self.journal.live_netns(rec, entries) as ns:
+        async with self.journal.live_netns(rec, entries, confirm=False) as ns:
             return ns is not None
 
     async def _present(self, entry: CachedAttachment) -> bool:
@@ -221,6 +247,8 @@ class Reaper:
                         await self._reap_locked(sid, rec, entries, ns, valid_ids, report)
         except LockTimeout:
             report.busy.append(sid)  # an operation is under way: not stale now
+        except Unconfirmed:
+            report.unconfirmed.append(sid)
         except UNANSWERED as e:
             # Alive or not is unknown: leave it to the next GC.
             report.errors.append(f"sandbox {sid}: not looked at: {e}")

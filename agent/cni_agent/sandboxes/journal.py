@@ -17,6 +17,8 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import replace
+from enum import Enum
 from typing import Any
 
 from cni_agent.cni.cache import CachedAttachment
@@ -27,8 +29,8 @@ from cni_agent.cni.result import with_sandbox
 from cni_agent.cni.runtime import CNIRuntime, RuntimeConf
 from cni_agent.node.blocking import PathWorker
 from cni_agent.node.locks import NetworkLocks
-from cni_agent.node.netns import NetnsError, NetnsId, Pinned, interfaces, loopback_up
-from cni_agent.sandboxes.records import Attachment, Phase, SandboxRecord, SandboxStore
+from cni_agent.node.netns import NetnsError, NetnsId, NetnsUnknown, Pinned, interfaces, loopback_up
+from cni_agent.sandboxes.records import Attachment, DamagedRecord, Phase, SandboxRecord, SandboxStore
 
 log = logging.getLogger(__name__)
 
@@ -52,30 +54,56 @@ def recorded_links(rec: SandboxRecord, entries: Entries) -> dict[str, str]:
     return out
 
 
-async def is_recorded(rec: SandboxRecord, entries: Entries, ns: Pinned) -> bool:
-    """Whether the pinned namespace is the one `rec` was set up in.
+class Identity(Enum):
+    SAME = "same"  # the namespace the record was set up in
+    OTHER = "other"  # certainly another one (or the path names none)
+    UNCONFIRMED = "unconfirmed"  # the recorded inode, but nothing can confirm it
 
-    The kernel's namespace id settles it. Without one (Linux < 6.11, older
-    records) (st_dev, st_ino) may be a recreated namespace's, so the
-    interfaces the attachments left must be there too, with their MACs.
+
+async def identify(rec: SandboxRecord, entries: Entries, ns: Pinned) -> tuple[Identity, bool]:
+    """Whether the pinned namespace is the one `rec` was set up in, and whether
+    the record should now take its stronger identity (NS_GET_ID or cookie).
+
+    An id never reused in a boot settles it. A record that has only the inode
+    (0.1.0, or a kernel with neither id) may name a namespace that reused a
+    dead one's inode, so its links are compared with what the attachments left:
+    a match confirms it (and earns the record the stronger id, so it can never
+    vouch for a later namespace); a mismatch proves nothing — a process inside
+    may rename eth0 or change its MAC — so it stays unconfirmed: neither reaped
+    nor entered.
     """
-    if rec.netns_id is None or not rec.netns_id.same(ns.identity):
-        return False
-    if rec.netns_id.certain and ns.identity.certain:
-        return True
+    recorded = rec.netns_id
+    if recorded is None or not recorded.same(ns.identity):
+        return Identity.OTHER, False
+    if recorded.certain and ns.identity.certain:
+        return Identity.SAME, False
     expected = recorded_links(rec, entries)
     if not expected:
-        return True  # nothing to confirm by: the inode is all there is
+        return Identity.SAME, False  # nothing to confirm by: the inode is all there is
     try:
         found = {i.name: i.mac.lower() for i in await interfaces(ns)}
     except NetnsError as e:
         log.warning("cannot list the links of %s to confirm its identity: %s", ns.path, e)
-        return True  # unknown: keep it rather than reap a live sandbox
+        return Identity.UNCONFIRMED, False
     missing = [n for n, mac in sorted(expected.items()) if found.get(n) != mac]
     if missing:
-        log.info("netns %s has the recorded inode but not the recorded %s: another namespace",
-                 ns.path, ", ".join(missing))
-    return not missing
+        log.warning("netns %s has the recorded inode but not the recorded %s: its identity is "
+                    "unconfirmed, so it is neither reaped nor entered", ns.path, ", ".join(missing))
+        return Identity.UNCONFIRMED, False
+    return Identity.SAME, ns.identity.certain
+
+
+async def is_recorded(rec: SandboxRecord, entries: Entries, ns: Pinned) -> bool:
+    """Whether the pinned namespace is, as far as can be told, the recorded one."""
+    return (await identify(rec, entries, ns))[0] is Identity.SAME
+
+
+class Unconfirmed(NetnsUnknown):
+    """A recorded namespace's identity can be neither confirmed nor refuted now."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__("netns", f"{path!r} has the recorded inode but its identity cannot be "
+                                  "confirmed")
 
 
 class Journal:
@@ -101,15 +129,25 @@ class Journal:
 
     # --- reading ----------------------------------------------------------------
 
-    async def view(self, sandbox_id: str) -> tuple[SandboxRecord | None, dict[tuple[str, str],
-                                                                          CachedAttachment]]:
+    async def view(self, sandbox_id: str, repair: bool = True
+                   ) -> tuple[SandboxRecord | None, dict[tuple[str, str], CachedAttachment]]:
         """The record and the cache entries of a sandbox.
 
         The record says where to look, and those few small files are read on
         the loop (no thread hop); without one, the cache dir is scanned like
-        libcni does, off the loop, as the scan grows with the node.
+        libcni does, off the loop, as the scan grows with the node. A damaged
+        record counts as none: with `repair` (the caller holds the sandbox's
+        lock) it is moved aside, so it never blocks the sandbox again.
         """
-        rec = self.store.read(sandbox_id)
+        try:
+            rec = self.store.read(sandbox_id)
+        except DamagedRecord as e:
+            rec = None
+            if repair:
+                moved = await asyncio.to_thread(self.store.set_aside, sandbox_id)
+                log.warning("sandbox %s: record %s is damaged (%s); moved to %s, the sandbox is "
+                            "handled from its cache entries", sandbox_id, e.path, e.reason,
+                            moved or "(gone already)", extra={"SANDBOX_ID": sandbox_id})
         if rec is None:
             found = await asyncio.to_thread(self.runtime.cache.for_container, sandbox_id)
         else:
@@ -124,19 +162,34 @@ class Journal:
         return rec, {(e.network, e.ifname): e for e in found}
 
     @asynccontextmanager
-    async def live_netns(self, rec: SandboxRecord | None, entries: Entries
+    async def live_netns(self, rec: SandboxRecord | None, entries: Entries, confirm: bool = True
                          ) -> AsyncIterator[Pinned | None]:
         """The record's namespace, pinned, if its path still names the one
         recorded at ADD; else None (gone, replaced, or no namespace).
 
-        PathTimeout/PathsBusy (`blocking.UNANSWERED`) when the path hangs:
-        whether it is alive is not known then.
+        `blocking.UNANSWERED` (PathTimeout, PathsBusy, NetnsUnknown, Unconfirmed)
+        when whether it is alive is not known: it must be taken as alive. With
+        `confirm` (the caller holds the sandbox's lock), a record confirmed alive
+        is given the namespace's stronger identity.
         """
         if rec is None or not rec.netns or rec.netns_id is None:
             yield None
             return
         async with self.paths.pinned_if_netns(rec.netns) as ns:
-            yield ns if ns is not None and await is_recorded(rec, entries, ns) else None
+            if ns is None:
+                yield None
+                return
+            verdict, stronger = await identify(rec, entries, ns)
+            if verdict is Identity.UNCONFIRMED:
+                raise Unconfirmed(rec.netns)
+            if stronger and confirm:
+                await self._save(replace(rec, netns_id=ns.identity))
+                log.info("sandbox %s: netns %s confirmed; its record now carries the kernel's "
+                         "namespace id", rec.sandbox_id, rec.netns)
+            yield ns if verdict is Identity.SAME else None
+
+    async def _save(self, rec: SandboxRecord) -> None:
+        await asyncio.to_thread(self.store.write, rec)  # two fsyncs: off the loop
 
     # --- adding -----------------------------------------------------------------
 
@@ -153,7 +206,7 @@ class Journal:
         def work() -> None:
             if loopback is not None:
                 loopback_up(loopback)
-            self.store.write(begun, True)
+            self.store.write(begun)
 
         await asyncio.to_thread(work)
         return begun
@@ -197,7 +250,7 @@ class Journal:
         if not extra and rec is not None:
             return rec
         claimed = base.with_attachments((*base.attachments, *extra))
-        self.store.write(claimed)
+        await self._save(claimed)
         return claimed
 
     async def remove(
@@ -217,7 +270,7 @@ class Journal:
         marking = [a.ifname for a in targets if a.phase is Phase.READY]
         if marking:
             rec = rec.with_phase(Phase.DELETING, marking)
-            self.store.write(rec)
+            await self._save(rec)
         if entries is None:
             entries = (await self.view(rec.sandbox_id))[1]
         errors: list[str] = []
@@ -232,7 +285,7 @@ class Journal:
         left = [a for a in rec.attachments if a.ifname not in gone]
         if left:
             kept = rec.with_attachments(left)
-            self.store.write(kept)
+            await self._save(kept)
             return kept, errors
         self.store.delete(rec.sandbox_id)
         return None, errors

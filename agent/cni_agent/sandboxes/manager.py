@@ -385,10 +385,15 @@ class SandboxManager:
     async def show(self, sandbox_id: str) -> dict[str, Any]:
         with classified():
             validate_container_id(sandbox_id)
-            rec, entries = await self.journal.view(sandbox_id)
+            # No lock here: a damaged record is reported, and left to be set aside
+            # by the next operation or reaping pass that holds the sandbox's lock.
+            rec, entries = await self.journal.view(sandbox_id, repair=False)
         if not entries:
             raise AgentError(ErrorKind.NOT_FOUND, f"sandbox {sandbox_id} has no cached attachments")
-        return self._document(rec, entries)
+        doc = self._document(rec, entries)
+        if rec is None and (damaged := self.journal.store.damaged(sandbox_id)):
+            doc["damaged_record"] = damaged
+        return doc
 
     async def list(self) -> list[str]:
         def scan() -> list[str]:

@@ -28,6 +28,19 @@ from cni_agent.cni.cache import atomic_write
 from cni_agent.cni.errors import CacheError
 from cni_agent.node.netns import NetnsId
 
+# The record format; a record of a later version (a newer agent's, after a
+# downgrade) is damaged to this one: set aside, never guessed at.
+RECORD_VERSION = 1
+
+
+class DamagedRecord(CacheError):
+    """A sandbox record that cannot be read: empty, not JSON, unknown phase or version."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"{path}: unreadable sandbox record: {reason}")
+        self.path = path
+        self.reason = reason
+
 
 class Phase(StrEnum):
     ADDING = "adding"
@@ -110,6 +123,7 @@ class SandboxRecord:
 
     def to_json(self) -> dict[str, Any]:
         return {
+            "version": RECORD_VERSION,
             "sandbox": self.sandbox_id,
             "netns": self.netns,
             "netnsId": self.netns_id.to_json() if self.netns_id else None,
@@ -121,6 +135,10 @@ class SandboxRecord:
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> SandboxRecord:
+        version = doc.get("version", RECORD_VERSION)  # records before 0.2 had none
+        if type(version) is not int or not 1 <= version <= RECORD_VERSION:
+            raise ValueError(f"record version {version!r} is not one this agent knows "
+                             f"(up to {RECORD_VERSION})")
         phase = Phase(doc["phase"])
         return cls(
             sandbox_id=str(doc["sandbox"]),
@@ -135,29 +153,29 @@ class SandboxRecord:
 class SandboxStore:
     """Blocking file operations on the agent's own (local) state dir.
 
-    A durable write (two fsyncs) runs off the event loop; the others are a
-    few plain syscalls, like the lock files', and cost less on the loop than
-    the thread hop that would move them off it (~0.15 ms of CPU each).
+    Every write is durable (the file fsynced before its rename, the directory
+    after): a rename that a power loss undoes, or that leaves a 0-byte file
+    (XFS without the fsyncs), would cost a phase change. Writes run off the
+    event loop; reads and unlinks are a few plain syscalls, like the lock
+    files', and cost less on the loop than a thread hop (~0.15 ms of CPU).
     """
 
     def __init__(self, state_dir: str) -> None:
         self.dir = os.path.join(state_dir, "sandboxes")
+        self.damaged_dir = os.path.join(self.dir, "damaged")
 
     def path(self, sandbox_id: str) -> str:
         return os.path.join(self.dir, f"{sandbox_id}.json")
 
-    def write(self, record: SandboxRecord, durable: bool = False) -> None:
-        """Only an intent before its first ADD must survive a power loss (`durable`):
-        after one, every namespace is gone and any other record state is reaped
-        or rolled back alike. A killed process loses nothing either way."""
+    def write(self, record: SandboxRecord) -> None:
         try:
             os.makedirs(self.dir, mode=0o700, exist_ok=True)
-            atomic_write(self.path(record.sandbox_id), json.dumps(record.to_json()).encode(),
-                         durable=durable)
+            atomic_write(self.path(record.sandbox_id), json.dumps(record.to_json()).encode())
         except OSError as e:
             raise CacheError(f"cannot write sandbox record: {e}") from e
 
     def read(self, sandbox_id: str) -> SandboxRecord | None:
+        """The record, None when there is none; DamagedRecord when it is unreadable."""
         path = self.path(sandbox_id)
         try:
             with open(path, "rb") as f:
@@ -165,7 +183,36 @@ class SandboxStore:
         except FileNotFoundError:
             return None
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise CacheError(f"{path}: unreadable sandbox record: {e}") from None
+            raise DamagedRecord(path, str(e) or type(e).__name__) from None
+
+    def set_aside(self, sandbox_id: str) -> str:
+        """Move an unreadable record to `damaged/` (kept for a post-mortem, never
+        read again); its path there, "" when it was gone already. Call with the
+        sandbox's lock held: a writer may not race the rename."""
+        os.makedirs(self.damaged_dir, mode=0o700, exist_ok=True)
+        target = os.path.join(self.damaged_dir, f"{sandbox_id}.json")
+        if os.path.lexists(target):  # an earlier damaged one: keep both ('~' is in no id)
+            target = os.path.join(self.damaged_dir, f"{sandbox_id}.json~{time.time_ns()}")
+        try:
+            os.rename(self.path(sandbox_id), target)
+        except FileNotFoundError:
+            return ""
+        return target
+
+    def damaged(self, sandbox_id: str) -> str:
+        """Where the sandbox's damaged record is: in place (not set aside yet), or
+        the latest set aside in `damaged/`; "" when it has none."""
+        if os.path.exists(self.path(sandbox_id)):
+            return self.path(sandbox_id)
+        try:
+            names = os.listdir(self.damaged_dir)
+        except FileNotFoundError:
+            return ""
+        plain = f"{sandbox_id}.json"
+        mine = [n for n in names if n == plain or n.startswith(plain + "~")]
+        # The plain name is the first set aside; numbered ones came later.
+        mine.sort(key=lambda n: (n != plain, len(n), n))
+        return os.path.join(self.damaged_dir, mine[-1]) if mine else ""
 
     def delete(self, sandbox_id: str) -> None:
         try:

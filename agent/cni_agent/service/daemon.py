@@ -80,9 +80,10 @@ class Daemon:
             report = await self.reaper.recover()
         except Exception:
             log.exception("start-up recovery failed; the next GC retries")
-            return
-        for err in report.errors:
-            log.warning("start-up recovery: %s", err)
+        else:
+            for err in report.errors:
+                log.warning("start-up recovery: %s", err)
+        self.reaper.start_periodic()
 
     def _on_state(self, state: NetworkState) -> None:
         self.notifier.status(state.status)

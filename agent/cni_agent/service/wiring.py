@@ -82,7 +82,7 @@ def build_core(cfg: AgentConfig, executor: Executor | None = None) -> Core:
     locks = SandboxLocks(os.path.join(cfg.runtime_dir, "locks"), observe=metrics.locked)
     reaper = Reaper(journal, locks, netlocks, monitor.networks,
                     gc_verb=gc_verb_allowed(cfg.gc.networks), lock_timeout=t.lock,
-                    verb_wait=min(t.lock, 10.0),
+                    verb_wait=min(t.lock, 10.0), interval=cfg.gc.interval,
                     on_report=lambda r: metrics.gc_report(len(r.deleted), len(r.rolled_back)))
     pod_cidrs = PodCIDRs(cfg.state_dir, cfg.pod_cidrs)
     manager = SandboxManager(journal, monitor, locks, reaper, pod_cidrs,

@@ -1,0 +1,273 @@
+"""What happens to an attachment between calls: unprompted reaping, damaged
+state after a power loss, and a namespace identity no container can forge.
+
+Real bridge + host-local, real namespaces, the agent on a private bus.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.agent import Agent
+from tests.support.net import addresses, allocations
+from tests.support.plugins import Control, seen_netns, wait_for
+from tests.support.shim import run_shim, shim_conf
+
+pytestmark = pytest.mark.root
+
+NO_NS_GET_ID = {"CNI_AGENT_TEST_NO_NS_GET_ID": "1"}  # the agent's seam: a kernel < 6.11
+
+
+def _name(path: str) -> str:
+    return Path(path).name
+
+
+def _dels(control: Control) -> dict[str, Any]:
+    return {r["env"]["CNI_CONTAINERID"]: seen_netns(r)
+            for r in control.records() if r["command"] == "DEL"}
+
+
+def _ips(tmp_path: Path) -> list[str]:
+    return allocations(tmp_path / "ipam", "pods")
+
+
+def _record(tmp_path: Path, sid: str) -> Path:
+    return tmp_path / "state" / "sandboxes" / f"{sid}.json"
+
+
+def _start(make_agent: Callable[..., Agent], env: dict[str, str] | None = None,
+           **config: Any) -> Agent:
+    agent = make_agent(start=False, **config)
+    agent.start(env=env)
+    assert agent.call("WaitReady", "d", "10")[0] is True, agent.log()
+    return agent
+
+
+# --- 1. reaping that nobody has to ask for ------------------------------------------
+
+
+def test_a_deleted_namespace_gives_its_ip_back_though_nobody_calls(
+    make_agent: Callable[..., Agent], bridge_chain: str, control: Control,
+    netns_factory: Callable[[], str], tmp_path: Path,
+) -> None:
+    agent = _start(make_agent, gc={"interval": 1})
+    dead, live = netns_factory(), netns_factory()
+    agent.setup("dead", dead)
+    agent.setup("live", live)
+    assert len(_ips(tmp_path)) == 2
+    control.reset_records()
+    subprocess.run(["ip", "netns", "del", _name(dead)], check=True)  # the runtime forgot it
+    # No Teardown, no GarbageCollect, no restart, no readiness change.
+    wait_for(lambda: len(_ips(tmp_path)) == 1, timeout=10)
+    assert agent.call("ListSandboxes")[0] == ["live"]
+    assert _dels(control) == {"dead": ""}  # with an empty netns, as at start-up
+    assert len(addresses(live)) == 1
+
+
+def test_interval_0_turns_the_passes_off(
+    make_agent: Callable[..., Agent], bridge_chain: str, netns: str, tmp_path: Path,
+) -> None:
+    agent = _start(make_agent, gc={"interval": 0})
+    agent.setup("pod", netns)
+    subprocess.run(["ip", "netns", "del", _name(netns)], check=True)
+    time.sleep(3)  # time passes; nothing calls Teardown or GC
+    assert len(_ips(tmp_path)) == 1
+    agent.call("GarbageCollect", "as", "0")  # asked for: reaped as ever
+    assert _ips(tmp_path) == []
+
+
+def test_a_del_from_a_renamed_runtime_network_is_a_warning_and_the_pass_frees_the_ip(
+    make_agent: Callable[..., Agent], bridge_chain: str, netns: str, tmp_path: Path,
+) -> None:
+    agent = _start(make_agent, gc={"interval": 1})
+    bus = agent.bus.address
+    made, renamed = shim_conf("k8s-pod-network", "pods"), shim_conf("cni-agent", "pods")
+    assert run_shim(bus, "ADD", made, cid="ctr", netns=netns).rc == 0
+    # The runtime's conflist was regenerated with another --name: its DEL is not
+    # the ADD's, so the agent does nothing but says so, naming both.
+    assert run_shim(bus, "DEL", renamed, cid="ctr", netns=netns).rc == 0
+    line = next(x for x in agent.log().splitlines() if "nothing to do" in x)
+    assert "WARNING" in line and "'cni-agent'" in line and "'k8s-pod-network'" in line, line
+    assert len(_ips(tmp_path)) == 1
+    subprocess.run(["ip", "netns", "del", _name(netns)], check=True)
+    wait_for(lambda: _ips(tmp_path) == [], timeout=10)
+    assert agent.call("ListSandboxes")[0] == []
+
+
+# --- 2. damaged state never blocks ----------------------------------------------------
+
+
+@pytest.mark.parametrize("damage", ["empty", "not json", "unknown phase", "newer version"])
+def test_a_damaged_record_is_set_aside_and_teardown_works_from_the_cache(
+    make_agent: Callable[..., Agent], bridge_chain: str, control: Control, netns: str,
+    tmp_path: Path, damage: str,
+) -> None:
+    agent = _start(make_agent)
+    agent.setup("pod", netns)
+    record = _record(tmp_path, "pod")
+    doc = json.loads(record.read_text())
+    damaged = {
+        "empty": "",  # a rename without its fsyncs, after a power loss (XFS)
+        "not json": '{"sandbox": "pod", "pha',
+        "unknown phase": json.dumps({**doc, "phase": "migrating",
+                                     "attachments": [{**a, "phase": "migrating"}
+                                                     for a in doc["attachments"]]}),
+        "newer version": json.dumps({**doc, "version": 99}),
+    }[damage]
+    record.write_text(damaged)
+    shown = json.loads(agent.call("Show", "s", "pod")[0])
+    assert shown["damaged_record"] == str(record)
+    assert [a["ifname"] for a in shown["attachments"]] == ["eth0"]  # from the cache
+    control.reset_records()
+    agent.call("Teardown", "ssa{sv}", "pod", netns, "0")
+    assert _ips(tmp_path) == [] and addresses(netns) == []
+    assert "pod" in _dels(control)
+    assert agent.call("ListSandboxes")[0] == []
+    aside = tmp_path / "state" / "sandboxes" / "damaged" / "pod.json"
+    assert aside.read_text() == damaged and not record.exists()  # kept for a post-mortem
+    assert any("WARNING" in x and str(record) in x and "damaged" in x
+               for x in agent.log().splitlines())
+
+
+def test_a_damaged_record_of_a_dead_namespace_is_reaped_at_start_up(
+    make_agent: Callable[..., Agent], bridge_chain: str, control: Control, netns: str,
+    tmp_path: Path,
+) -> None:
+    agent = _start(make_agent)
+    agent.setup("pod", netns)
+    assert agent.stop() == 0
+    _record(tmp_path, "pod").write_bytes(b"")  # the power loss...
+    subprocess.run(["ip", "netns", "del", _name(netns)], check=True)  # ...took the namespace
+    control.reset_records()
+    agent.start()
+    wait_for(lambda: _ips(tmp_path) == [], timeout=10)
+    assert _dels(control) == {"pod": ""}
+    assert (tmp_path / "state" / "sandboxes" / "damaged" / "pod.json").exists()
+
+
+def test_a_damaged_cache_entry_is_deleted_with_the_recorded_config(
+    make_agent: Callable[..., Agent], bridge_chain: str, control: Control, netns: str,
+    tmp_path: Path,
+) -> None:
+    agent = _start(make_agent)
+    agent.setup("pod", netns)
+    [entry] = (tmp_path / "state" / "results").iterdir()
+    entry.write_bytes(b"")
+    control.reset_records()
+    agent.call("Teardown", "ssa{sv}", "pod", netns, "0")
+    assert _ips(tmp_path) == [] and addresses(netns) == []
+    [rec] = [r for r in control.records() if r["command"] == "DEL"]
+    assert "prevResult" not in rec["stdin"]  # nothing to go by but the record's config
+    assert not entry.exists()
+
+
+# --- 3. an identity no container can forge -------------------------------------------
+
+
+def _forge(netns: str) -> None:
+    """What a pod with CAP_NET_ADMIN may do to its own interface."""
+    ns = _name(netns)
+    for args in (["link", "set", "eth0", "down"], ["link", "set", "eth0", "name", "eth9"],
+                 ["link", "set", "eth9", "address", "02:00:00:12:34:56"],
+                 ["link", "set", "eth9", "up"]):
+        subprocess.run(["ip", "-n", ns, *args], check=True)
+
+
+def test_without_ns_get_id_renaming_eth0_and_its_mac_keeps_the_pods_ip(
+    make_agent: Callable[..., Agent], bridge_chain: str, control: Control, netns: str,
+    tmp_path: Path,
+) -> None:
+    agent = _start(make_agent, env=NO_NS_GET_ID, gc={"interval": 1})
+    agent.setup("pod", netns)
+    record = _record(tmp_path, "pod")
+    doc = json.loads(record.read_text())
+    # What a kernel without NS_GET_ID records (also where the seam is unknown).
+    doc["netnsId"]["nsId"] = None
+    record.write_text(json.dumps(doc))
+    assert doc["netnsId"].get("cookie"), doc  # the socket's netns cookie instead
+    [ip] = _ips(tmp_path)
+    _forge(netns)
+    control.reset_records()
+    agent.call("GarbageCollect", "as", "1", "pod")
+    time.sleep(2.5)  # and two unprompted passes
+    assert agent.call("ListSandboxes")[0] == ["pod"]
+    assert _dels(control) == {}
+    assert _ips(tmp_path) == [ip]
+    assert addresses(netns, "eth9") != []
+    # Gone is still gone.
+    subprocess.run(["ip", "netns", "del", _name(netns)], check=True)
+    wait_for(lambda: _ips(tmp_path) == [], timeout=10)
+
+
+def test_an_old_inode_only_record_earns_the_kernels_id_once_confirmed(
+    make_agent: Callable[..., Agent], bridge_chain: str, control: Control, netns: str,
+    tmp_path: Path,
+) -> None:
+    agent = _start(make_agent)
+    agent.setup("pod", netns)
+    record = _record(tmp_path, "pod")
+    doc = json.loads(record.read_text())
+    if doc["netnsId"]["nsId"] is None:
+        pytest.fail("CI's kernel has NS_GET_ID (Linux >= 6.11); this one does not")
+    st = os.stat(netns)
+    doc["netnsId"] = [st.st_dev, st.st_ino]  # as 0.1.0 wrote it
+    record.write_text(json.dumps(doc))
+    agent.call("GarbageCollect", "as", "1", "pod")  # eth0 and its MAC are there: confirmed
+    upgraded = json.loads(record.read_text())["netnsId"]
+    assert upgraded["nsId"] is not None and upgraded["ino"] == st.st_ino
+    _forge(netns)
+    control.reset_records()
+    agent.call("GarbageCollect", "as", "1", "pod")
+    assert agent.call("ListSandboxes")[0] == ["pod"] and _dels(control) == {}
+
+
+def test_an_old_record_whose_links_changed_is_neither_reaped_nor_entered(
+    make_agent: Callable[..., Agent], bridge_chain: str, control: Control, netns: str,
+    tmp_path: Path,
+) -> None:
+    agent = _start(make_agent)
+    agent.setup("pod", netns)
+    record = _record(tmp_path, "pod")
+    doc = json.loads(record.read_text())
+    st = os.stat(netns)
+    doc["netnsId"] = [st.st_dev, st.st_ino]
+    record.write_text(json.dumps(doc))
+    _forge(netns)  # before any pass confirmed it: the links prove nothing either way
+    control.reset_records()
+    agent.call("GarbageCollect", "as", "1", "pod")
+    assert agent.call("ListSandboxes")[0] == ["pod"] and _dels(control) == {}
+    assert len(_ips(tmp_path)) == 1
+    # The runtime's Teardown still works; the DEL stays out of the unconfirmed namespace.
+    agent.call("Teardown", "ssa{sv}", "pod", netns, "0")
+    assert _ips(tmp_path) == [] and _dels(control) == {"pod": ""}
+
+
+def test_a_namespace_path_that_cannot_be_opened_is_unknown_not_gone(
+    make_agent: Callable[..., Agent], bridge_chain: str, control: Control, netns: str,
+    tmp_path: Path,
+) -> None:
+    """Only ENOENT or "not a network namespace" means gone: here the recorded path
+    (a symlink the runtime made) turns into a loop (ELOOP), as EACCES, EMFILE or
+    ENOMEM would: unknown, so kept, until the path really is gone."""
+    agent = _start(make_agent, gc={"interval": 1})
+    link, loop = tmp_path / "pod-netns", tmp_path / "loop"
+    link.symlink_to(netns)
+    agent.setup("pod", str(link))
+    link.unlink()
+    link.symlink_to(loop)
+    loop.symlink_to(link)
+    control.reset_records()
+    time.sleep(2.5)  # two passes
+    assert len(_ips(tmp_path)) == 1 and _dels(control) == {}
+    assert "not looked at" in agent.log()
+    link.unlink()  # now ENOENT: gone
+    wait_for(lambda: _ips(tmp_path) == [], timeout=10)
+    assert _dels(control) == {"pod": ""}
