@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tests.soak.harness import crashes, gc_and_waiting, reboot, soak, table
+from tests.soak.harness import crashes, gc_and_waiting, power_loss, reboot, soak, table
 
 
 def main() -> int:
@@ -17,7 +17,7 @@ def main() -> int:
     args = p.parse_args()
     reports = [soak(args.ops, args.sandboxes, args.workers),
                gc_and_waiting(args.ops // 5, workers=args.workers // 2),
-               crashes(args.kills), reboot(20)]
+               crashes(args.kills), power_loss(args.kills // 2), reboot(20)]
     print(table(reports))
     bad = any(r.failures or r.leaks for r in reports)
     print("soak: FAILED" if bad else "soak: no failures, no leaks")

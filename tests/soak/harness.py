@@ -353,6 +353,80 @@ def crashes(kills: int, sandboxes: int = 12, seed: int = 2) -> Report:
     return report
 
 
+def power_loss(kills: int, sandboxes: int = 12, seed: int = 4) -> Report:
+    """kill -9 at random points, then zero a random record or cache entry (what a
+    rename without its fsyncs leaves after a power loss), restart: every
+    Teardown succeeds and no IP, veth, record or cache entry is left."""
+    report = Report("power")
+    node = Node(sandboxes, tag="power")
+    rng = random.Random(seed)
+    start = time.monotonic()
+    state = node.tmp / "state"
+    try:
+        node.start()
+        for _ in range(kills):
+            client = SyncClient(node.bus.address)
+            try:
+                for sid in rng.sample(node.ids, k=len(node.ids) // 2):
+                    client.call("Setup", "ssa{sv}", [sid, node.path(sid), {}])
+                    report.operations += 1
+            finally:
+                client.close()
+            stop = threading.Event()
+
+            def hammer(stop: threading.Event) -> None:
+                client = SyncClient(node.bus.address)
+                try:
+                    while not stop.is_set():
+                        sid = rng.choice(node.ids)
+                        err, _ = client.call("Setup" if rng.random() < 0.6 else "Teardown",
+                                             "ssa{sv}", [sid, node.path(sid), {}])
+                        report.operations += 1
+                        if err and ("NoReply" in err or "ServiceUnknown" in err):
+                            return
+                finally:
+                    client.close()
+
+            threads = [threading.Thread(target=hammer, args=(stop,)) for _ in range(3)]
+            for t in threads:
+                t.start()
+            time.sleep(rng.uniform(0.05, 0.4))
+            node.agent.stop(signal.SIGKILL)
+            stop.set()
+            for t in threads:
+                t.join(30)
+            files = sorted([*(state / "sandboxes").glob("*.json"), *(state / "results").glob("*")])
+            if files:
+                victim = rng.choice(files)
+                victim.write_bytes(b"")
+                report.outcomes["record zeroed" if victim.parent.name == "sandboxes"
+                                else "cache entry zeroed"] += 1
+            node.start()
+            client = SyncClient(node.bus.address)
+            try:
+                for sid in node.ids:
+                    err, _ = client.call("Teardown", "ssa{sv}", [sid, node.path(sid), {}])
+                    report.operations += 1
+                    if err:
+                        report.failures[err.rsplit(".", 1)[-1]] += 1
+            finally:
+                client.close()
+            problems = node.check()
+            problems += [f"{ip} still allocated (owner {o})" for ip, o in node.allocations().items()]
+            left = [p.name for p in (state / "results").glob("*")]
+            problems += [f"cache entry left: {n}" for n in left]
+            if problems:
+                report.leaks += problems
+                break
+        report.notes.append(f"{kills} kills, each followed by a zeroed file; "
+                            f"{len(list((state / 'sandboxes' / 'damaged').glob('*')))} "
+                            "damaged records set aside")
+    finally:
+        report.seconds = time.monotonic() - start
+        node.close()
+    return report
+
+
 def reboot(sandboxes: int = 10) -> Report:
     """Namespaces deleted behind the agent's back, agent restarted: stale IPs reaped."""
     report = Report("reboot")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.soak.harness import crashes, gc_and_waiting, reboot, soak
+from tests.soak.harness import crashes, gc_and_waiting, power_loss, reboot, soak
 
 pytestmark = pytest.mark.root
 
@@ -29,5 +29,11 @@ def test_kill_9_mid_operation_leaves_every_sandbox_whole_or_gone() -> None:
 
 def test_reboot_reaps_stale_attachments_and_releases_ips() -> None:
     report = reboot(sandboxes=6)
+    assert dict(report.failures) == {}
+    assert report.leaks == []
+
+
+def test_power_loss_damage_never_blocks_a_teardown_nor_leaks() -> None:
+    report = power_loss(kills=4, sandboxes=6)
     assert dict(report.failures) == {}
     assert report.leaks == []
