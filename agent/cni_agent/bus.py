@@ -27,8 +27,9 @@ class _Bus(MessageBus):
 
 
 async def connect(bus: str) -> MessageBus:
+    """Unix fds negotiated: a caller passes its namespace as a descriptor (netns_fd)."""
     if bus == "system":
-        return await _Bus(bus_type=BusType.SYSTEM).connect()
+        return await _Bus(bus_type=BusType.SYSTEM, negotiate_unix_fd=True).connect()
     if bus == "session":
-        return await _Bus(bus_type=BusType.SESSION).connect()
-    return await _Bus(bus_address=bus).connect()
+        return await _Bus(bus_type=BusType.SESSION, negotiate_unix_fd=True).connect()
+    return await _Bus(bus_address=bus, negotiate_unix_fd=True).connect()

@@ -216,6 +216,22 @@ class SetupOptions:
         return out
 
 
+def open_netns(path: str) -> int | None:
+    """The namespace at `path`, opened with the caller's own rights: the agent
+    acts on a descriptor, never on a path it would open as root for a caller
+    that may not (a path alone is accepted from root only).
+
+    None for root when it cannot be opened: the agent then says why, in its
+    words; anyone else gets the reason here.
+    """
+    try:
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
+    except OSError as e:
+        if os.geteuid() == 0:
+            return None
+        raise ClientError("invalid argument", f"netns {path!r}: cannot open: {e.strerror}") from None
+
+
 # --- the client -----------------------------------------------------------------------
 
 
@@ -251,9 +267,10 @@ class AgentClient:
 
     async def _call(self, member: str, signature: str = "", body: Sequence[Any] = (), *,
                     interface: str = INTERFACE, destination: str = BUS_NAME,
-                    path: str = OBJECT_PATH, timeout: float | None = QUICK_CALL_TIMEOUT) -> list[Any]:
+                    path: str = OBJECT_PATH, timeout: float | None = QUICK_CALL_TIMEOUT,
+                    fds: Sequence[int] = ()) -> list[Any]:
         msg = Message(destination=destination, path=path, interface=interface, member=member,
-                      signature=signature, body=list(body))
+                      signature=signature, body=list(body), unix_fds=list(fds))
         try:
             reply = await asyncio.wait_for(self._bus.call(msg), timeout)
         except TimeoutError:
@@ -309,8 +326,17 @@ class AgentClient:
     # --- changes ------------------------------------------------------------------------
 
     async def setup(self, sandbox_id: str, netns: str, options: SetupOptions) -> SandboxResult:
-        [text] = await self._call("Setup", "ssa{sv}", [sandbox_id, netns, options.to_dbus()],
-                                  timeout=None)  # the agent enforces its own timeouts
+        fd = open_netns(netns)
+        try:
+            opts = options.to_dbus()
+            if fd is not None:
+                opts["netns_fd"] = Variant("h", 0)  # an index into the message's fds
+            [text] = await self._call("Setup", "ssa{sv}", [sandbox_id, netns, opts],
+                                      timeout=None,  # the agent enforces its own timeouts
+                                      fds=[fd] if fd is not None else [])
+        finally:
+            if fd is not None:
+                os.close(fd)
         return SandboxResult.parse(text)
 
     async def teardown(self, sandbox_id: str, netns: str = "") -> None:

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from cni_agent.api import AgentError, ErrorKind
 from cni_agent.cni.errors import InvalidArgument
-from cni_agent.node.netns import NetnsUnknown, Pinned, pin
+from cni_agent.node.netns import NetnsUnknown, Pinned, pin, pin_fd
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -153,6 +153,11 @@ class PathWorker:
         when it does not answer, PathsBusy when the path threads are all stuck.
         """
         return self._held(lambda: pin(path, field), field, path)
+
+    def pinned_fd(self, fd: int, path: str) -> AbstractAsyncContextManager[Pinned]:
+        """A caller's own descriptor of its namespace, verified and pinned (a
+        duplicate: the caller's stays the caller's), recorded as `path`."""
+        return self._held(lambda: pin_fd(fd, path), "netns_fd", path)
 
     def pinned_if_netns(self, path: str, field: str = "netns"
                         ) -> AbstractAsyncContextManager[Pinned | None]:

@@ -46,6 +46,7 @@ __all__ = [
     "loopback_up",
     "netns_identity",
     "pin",
+    "pin_fd",
 ]
 
 log = logging.getLogger(__name__)
@@ -355,6 +356,37 @@ def pin(path: str, field: str = "netns") -> Pinned:
         return Pinned(path, fd, ident)
     except BaseException:
         os.close(fd)
+        raise
+
+
+def pin_fd(fd: int, path: str, field: str = "netns_fd") -> Pinned:
+    """Verify a descriptor a caller opened itself and pin (a duplicate of) it,
+    or InvalidArgument(field): as `pin`, minus the path, which the agent never
+    opens for this caller; `path` is only the name it is recorded by.
+
+    Blocking (the identity may setns() this thread): run it off the event loop.
+    """
+    try:
+        own_fd = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3)
+    except (OSError, TypeError, ValueError):
+        raise InvalidArgument(field, "is not an open file descriptor") from None
+    try:
+        if _kind(os.fstat(own_fd).st_mode) is not None or _fs_type(own_fd) != NSFS_MAGIC:
+            raise InvalidArgument(field, "is not a network namespace")
+        try:
+            nstype = fcntl.ioctl(own_fd, NS_GET_NSTYPE)
+        except OSError:
+            raise InvalidArgument(field, "is not a network namespace") from None
+        if nstype != CLONE_NEWNET:
+            raise InvalidArgument(field, f"is a {_NS_TYPES.get(nstype, hex(nstype))} namespace, "
+                                         "not a network namespace")
+        ident = fd_identity(own_fd)
+        own = os.stat("/proc/self/ns/net")
+        if (ident.dev, ident.ino) == (own.st_dev, own.st_ino):
+            raise InvalidArgument(field, "refusing to configure the agent's own network namespace")
+        return Pinned(path, own_fd, ident)
+    except BaseException:
+        os.close(own_fd)
         raise
 
 

@@ -31,6 +31,7 @@ from cni_agent.cni.config import NetworkConfigList
 from cni_agent.cni.errors import CNIError, InvalidArgument, NoCachedResult
 from cni_agent.cni.logctx import log_fields
 from cni_agent.node.netns import NetnsError, Pinned
+from cni_agent.sandboxes import owners
 from cni_agent.sandboxes.errors import classified
 from cni_agent.sandboxes.journal import is_recorded
 from cni_agent.sandboxes.manager import (
@@ -43,6 +44,7 @@ from cni_agent.sandboxes.manager import (
     validate_removal_netns,
 )
 from cni_agent.sandboxes.order import Kind
+from cni_agent.sandboxes.owners import ROOT, callers_netns
 from cni_agent.sandboxes.records import Attachment, Phase, SandboxRecord
 
 log = logging.getLogger(__name__)
@@ -57,6 +59,8 @@ class AttachRequest:
     args: tuple[tuple[str, str], ...] = ()
     capabilities: Mapping[str, Any] = field(default_factory=dict)
     origin: str = ""
+    netns_fd: int | None = None  # the caller's own descriptor of `netns` (owners.py)
+    caller: int = ROOT  # uid
 
 
 def attachment_document(sandbox_id: str, network: str, ifname: str,
@@ -106,7 +110,7 @@ class Attachments:
         args = tuple(build_cni_args(req.args, None, req.sandbox_id))
         if not isinstance(req.capabilities, Mapping):
             raise InvalidArgument("capabilities", "must be a JSON object")
-        async with m.journal.paths.pinned(req.netns) as ns:
+        async with callers_netns(m.journal.paths, req.netns, req.netns_fd, req.caller) as ns:
             with m.order.arrive(req.sandbox_id, Kind.ADD, frozenset({req.ifname})) as ticket:
                 await m.wait_ready(ticket)
                 net = m.resolve(NetworkRequest(req.network, req.ifname))
@@ -120,6 +124,7 @@ class Attachments:
                              ns: Pinned) -> dict[str, Any]:
         m = self.m
         rec, entries = await m.journal.view(req.sandbox_id)
+        owners.require(req.sandbox_id, req.caller, rec, entries)
         if rec is not None:
             settled = await m.settle(rec, entries, req.netns, ns.identity)
             if settled is not rec:
@@ -133,7 +138,7 @@ class Attachments:
                              "from another tool or an older run; DEL it first")
         new = rec is None
         if rec is None:
-            rec = SandboxRecord(req.sandbox_id, req.netns, ns.identity, ())
+            rec = SandboxRecord(req.sandbox_id, req.netns, ns.identity, (), owner=req.caller)
         try:
             # A new sandbox: lo first, before an intent exists (nothing to undo).
             rec = await m.journal.begin_add(rec, [att], loopback=ns if new else None)
@@ -163,21 +168,24 @@ class Attachments:
     # --- DEL ------------------------------------------------------------------------
 
     async def detach(self, sandbox_id: str, netns: str, network: str, ifname: str,
-                     origin: str = "") -> None:
+                     origin: str = "", caller: int = ROOT) -> None:
         """DEL one attachment. Nothing attached there, or its netns gone: success."""
         with log_fields(SANDBOX_ID=sandbox_id, IFNAME=ifname):
             with classified():
-                await self._detach(sandbox_id, netns, network, ifname, origin)
+                await self._detach(sandbox_id, netns, network, ifname, origin, caller)
 
     async def _detach(self, sandbox_id: str, netns: str, network: str, ifname: str,
-                      origin: str) -> None:
+                      origin: str, caller: int) -> None:
         m = self.m
         _validate(sandbox_id, network, ifname, origin)
         validate_removal_netns(netns)
         with m.order.arrive(sandbox_id, Kind.REMOVE, frozenset({ifname})) as ticket:
-            given_cm = m.journal.paths.pinned_if_netns(netns) if netns else no_netns()
+            given_cm = (m.journal.paths.pinned_if_netns(netns) if netns and caller == ROOT
+                        else no_netns())
             async with unless_hung(given_cm) as given, m.locked(ticket):
                 rec, entries = await m.journal.view(sandbox_id)
+                if rec is not None or entries:
+                    owners.require(sandbox_id, caller, rec, entries)
                 recorded = rec.attachment(ifname) if rec is not None else None
                 if rec is not None and recorded is not None:
                     if not _mine(recorded, network, origin):

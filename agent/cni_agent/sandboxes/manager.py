@@ -36,10 +36,12 @@ from cni_agent.node.locks import SandboxLocks
 from cni_agent.node.netns import NetnsError, NetnsId, Pinned
 from cni_agent.readiness.monitor import Monitor
 from cni_agent.readiness.podcidrs import PodCIDRs
+from cni_agent.sandboxes import owners
 from cni_agent.sandboxes.errors import classified, classify
 from cni_agent.sandboxes.gc import Reaper
 from cni_agent.sandboxes.journal import Journal, is_recorded
 from cni_agent.sandboxes.order import Kind, Sequencer, Ticket
+from cni_agent.sandboxes.owners import ROOT, callers_netns
 from cni_agent.sandboxes.records import Attachment, Phase, SandboxRecord
 
 log = logging.getLogger(__name__)
@@ -62,6 +64,8 @@ class SetupRequest:
     args: tuple[tuple[str, str], ...] = ()
     pod: PodMeta | None = None
     capabilities: Mapping[str, Any] = field(default_factory=dict)
+    netns_fd: int | None = None  # the caller's own descriptor of `netns` (owners.py)
+    caller: int = ROOT  # uid
 
 
 @dataclass(frozen=True)
@@ -220,7 +224,7 @@ class SandboxManager:
         self.gate()
         self.validate(req)
         # Opened once, here, and only used through this handle from now on.
-        async with self.journal.paths.pinned(req.netns) as ns:
+        async with callers_netns(self.journal.paths, req.netns, req.netns_fd, req.caller) as ns:
             return await self._setup_in(req, ns)
 
     async def _setup_in(self, req: SetupRequest, ns: Pinned) -> dict[str, Any]:
@@ -236,6 +240,7 @@ class SandboxManager:
             with log_fields(**_single(new)):
                 async with self.locked(ticket):
                     rec, entries = await self.journal.view(req.sandbox_id)
+                    owners.require(req.sandbox_id, req.caller, rec, entries)
                     if rec is not None:
                         settled = await self.settle(rec, entries, req.netns, ns.identity)
                         if settled is not rec:
@@ -247,7 +252,8 @@ class SandboxManager:
                                          f"sandbox {req.sandbox_id} has cached attachments from another "
                                          "tool or an older run; tear it down first")
                     return await self._add_all(SandboxRecord(req.sandbox_id, req.netns, ns.identity,
-                                                             (), digest), new, nets, ns)
+                                                             (), digest, owner=req.caller),
+                                               new, nets, ns)
 
     async def settle(self, rec: SandboxRecord, entries: Mapping[tuple[str, str], CachedAttachment],
                       netns: str, identity: NetnsId) -> SandboxRecord | None:
@@ -314,22 +320,26 @@ class SandboxManager:
 
     # --- Teardown -------------------------------------------------------------------
 
-    async def teardown(self, sandbox_id: str, netns: str = "") -> None:
+    async def teardown(self, sandbox_id: str, netns: str = "", caller: int = ROOT) -> None:
         with log_fields(SANDBOX_ID=sandbox_id):
             with classified():
-                await self._teardown(sandbox_id, netns)
+                await self._teardown(sandbox_id, netns, caller)
 
-    async def _teardown(self, sandbox_id: str, netns: str) -> None:
+    async def _teardown(self, sandbox_id: str, netns: str, caller: int) -> None:
         validate_container_id(sandbox_id)
         validate_removal_netns(netns)
         with self.order.arrive(sandbox_id, Kind.REMOVE) as ticket:
             # The caller's path is checked and pinned now, before any wait, like
             # Setup's; it is used only when no record says where the sandbox is.
-            given_cm = self.journal.paths.pinned_if_netns(netns) if netns else no_netns()
+            # Only root's path is opened: another caller's sandbox has a record
+            # to go by, and without one it is not the caller's.
+            given_cm = (self.journal.paths.pinned_if_netns(netns) if netns and caller == ROOT
+                        else no_netns())
             async with unless_hung(given_cm) as given, self.locked(ticket):
                 rec, entries = await self.journal.view(sandbox_id)
                 if rec is None and not entries:
                     return  # nothing known: success, as DEL of nothing is
+                owners.require(sandbox_id, caller, rec, entries)
                 # Where the DELs run: the recorded namespace if it still is the
                 # one; without a record (another tool's entries) the caller's;
                 # else none — an empty netns, which DEL must tolerate.
@@ -347,21 +357,29 @@ class SandboxManager:
 
     # --- Check, Show, List ------------------------------------------------------------
 
-    async def check(self, sandbox_id: str, netns: str) -> None:
+    async def check(self, sandbox_id: str, netns: str, caller: int = ROOT) -> None:
         with log_fields(SANDBOX_ID=sandbox_id):
             with classified():
-                await self._check(sandbox_id, netns)
+                await self._check(sandbox_id, netns, caller)
 
-    async def _check(self, sandbox_id: str, netns: str) -> None:
+    async def _check(self, sandbox_id: str, netns: str, caller: int) -> None:
         self.gate()
         validate_container_id(sandbox_id)
+        if caller != ROOT:
+            # Its own record names the namespace: no caller's path is opened.
+            rec, _ = await self.journal.view(sandbox_id, repair=False)
+            if rec is None or rec.owner != caller:
+                raise owners.denied(sandbox_id, caller)
+            netns = rec.netns
         async with self.journal.paths.pinned(netns) as ns:
-            await self._check_in(sandbox_id, ns)
+            await self._check_in(sandbox_id, ns, caller)
 
-    async def _check_in(self, sandbox_id: str, ns: Pinned) -> None:
+    async def _check_in(self, sandbox_id: str, ns: Pinned, caller: int = ROOT) -> None:
         with self.order.arrive(sandbox_id, Kind.OTHER) as ticket:
             async with self.locked(ticket):
                 rec, entries = await self.journal.view(sandbox_id)
+                if caller != ROOT and (rec is None or rec.owner != caller):
+                    raise owners.denied(sandbox_id, caller)
                 if rec is None or rec.phase is not Phase.READY:
                     raise AgentError(ErrorKind.NOT_FOUND, f"sandbox {sandbox_id} is not set up")
                 if rec.netns != ns.path or not await is_recorded(rec, entries, ns):
@@ -382,12 +400,14 @@ class SandboxManager:
         return result_document(sid, list(entries.values()), order,
                                rec.phase if rec else Phase.READY)
 
-    async def show(self, sandbox_id: str) -> dict[str, Any]:
+    async def show(self, sandbox_id: str, caller: int = ROOT) -> dict[str, Any]:
         with classified():
             validate_container_id(sandbox_id)
             # No lock here: a damaged record is reported, and left to be set aside
             # by the next operation or reaping pass that holds the sandbox's lock.
             rec, entries = await self.journal.view(sandbox_id, repair=False)
+        if caller != ROOT and (rec is None or rec.owner != caller):
+            raise owners.denied(sandbox_id, caller)
         if not entries:
             raise AgentError(ErrorKind.NOT_FOUND, f"sandbox {sandbox_id} has no cached attachments")
         doc = self._document(rec, entries)
@@ -395,9 +415,13 @@ class SandboxManager:
             doc["damaged_record"] = damaged
         return doc
 
-    async def list(self) -> list[str]:
+    async def list(self, caller: int = ROOT) -> list[str]:
         def scan() -> list[str]:
-            ids = {r.sandbox_id for r in self.journal.store.all()[0] if r.phase is Phase.READY}
+            records = self.journal.store.all()[0]
+            if caller != ROOT:
+                return sorted(r.sandbox_id for r in records
+                              if r.phase is Phase.READY and r.owner == caller)
+            ids = {r.sandbox_id for r in records if r.phase is Phase.READY}
             ids.update(e.container_id for e in self.journal.runtime.cache.all())
             return sorted(ids)
 
@@ -405,12 +429,20 @@ class SandboxManager:
 
     # --- node-wide ------------------------------------------------------------------------
 
-    async def garbage_collect(self, valid_ids: Sequence[str]) -> None:
+    async def garbage_collect(self, valid_ids: Sequence[str], caller: int = ROOT) -> None:
         with classified():
             self.gate()
             for sid in valid_ids:
                 validate_container_id(sid, "valid_sandbox_ids")
-            report = await self.reaper.collect(set(valid_ids))
+            valid = set(valid_ids)
+            if caller != ROOT:
+                # A caller's list speaks for its own sandboxes only; the others'
+                # are judged by liveness alone, as an unprompted pass judges them.
+                records, _ = await asyncio.to_thread(self.journal.store.all)
+                cached = await asyncio.to_thread(self.journal.runtime.cache.all)
+                valid |= {r.sandbox_id for r in records if r.owner != caller}
+                valid |= {e.container_id for e in cached} - {r.sandbox_id for r in records}
+            report = await self.reaper.collect(valid)
         if report.errors:
             raise AgentError(ErrorKind.PLUGIN_FAILED,
                              f"garbage collection finished with {len(report.errors)} error(s): "

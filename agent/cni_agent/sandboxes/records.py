@@ -97,6 +97,7 @@ class SandboxRecord:
     # Identifies the Setup request, so an identical repeat is recognised.
     request: str = ""
     updated: float = field(default_factory=time.time)
+    owner: int = 0  # the uid that set it up (records before 0.2: root's)
 
     @property
     def phase(self) -> Phase:
@@ -131,6 +132,7 @@ class SandboxRecord:
             "attachments": [a.to_json() for a in self.attachments],
             "request": self.request,
             "updated": self.updated,
+            "owner": self.owner,
         }
 
     @classmethod
@@ -147,6 +149,7 @@ class SandboxRecord:
             attachments=tuple(Attachment.from_json(a, phase) for a in doc["attachments"]),
             request=str(doc.get("request", "")),
             updated=float(doc.get("updated", 0)),
+            owner=int(doc.get("owner", 0)),
         )
 
 

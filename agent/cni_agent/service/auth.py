@@ -65,12 +65,18 @@ class Authorizer:
         self._cache[sender] = (uid, gids)
         return uid, gids
 
-    async def require(self, sender: str | None, what: str) -> None:
+    async def identify(self, sender: str | None, what: str) -> tuple[int, bool]:
+        """The caller's uid, and whether it is privileged (root or a member)."""
         if sender is None:
             raise AgentError(ErrorKind.ACCESS_DENIED, f"{what}: the caller is unknown")
         uid, gids = await self._credentials(sender)
-        if uid == 0 or gids & self.gids:
-            return
+        return uid, uid == 0 or bool(gids & self.gids)
+
+    async def require(self, sender: str | None, what: str) -> int:
+        """The uid of a caller that may call mutating methods; else AccessDenied."""
+        uid, privileged = await self.identify(sender, what)
+        if privileged:
+            return uid
         groups = " or ".join(self.group_names) or "(none configured)"
         raise AgentError(
             ErrorKind.ACCESS_DENIED,

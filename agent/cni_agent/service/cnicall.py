@@ -142,7 +142,7 @@ def parse_call(env: Mapping[str, str], config: str) -> ShimCall:
     if command not in COMMANDS:
         raise Refusal(CODE_INVALID_ENV, (f"CNI_COMMAND {command!r} is not one of "
                                          + ", ".join(COMMANDS)) if command else "CNI_COMMAND is not set")
-    if len(config) > MAX_CONFIG:
+    if len(config.encode()) > MAX_CONFIG:  # bytes, as the shim reads and cuts them
         raise Refusal(CODE_INVALID_CONFIG, f"the network configuration is larger than {MAX_CONFIG} bytes")
     try:
         conf = json.loads(config)

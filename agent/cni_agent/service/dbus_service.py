@@ -8,10 +8,12 @@ contract's error names with a message a person can act on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import logging
 import math
+import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextvars import ContextVar
 from typing import Any, TypeVar
@@ -38,7 +40,11 @@ log = logging.getLogger(__name__)
 MAX_CAPABILITIES_BYTES = 64 * 1024
 MAX_JSON_DEPTH = 32
 MAX_WAIT = 24 * 3600.0
-OPTION_KEYS = {"networks": "a(ss)", "args": "a{ss}", "pod": "a{ss}", "capabilities": "s"}
+OPTION_KEYS = {"networks": "a(ss)", "args": "a{ss}", "pod": "a{ss}", "capabilities": "s",
+               "netns_fd": "h"}
+# For callers that are neither root nor in the access group (read-only calls).
+UNPRIVILEGED_MAX_STDIN = 64 * 1024
+UNPRIVILEGED_MAX_WAITS = 8  # WaitReady calls at once, per connection
 
 # Method name → the D-Bus input signature (checked before dispatch, so a wrong
 # signature is InvalidArgument, not a generic UnknownMethod).
@@ -48,7 +54,7 @@ SIGNATURES = {
     "SetPodCIDRs": "as", "Attach": "ssssa{sv}", "Detach": "ssssa{sv}", "CNICall": "a{ss}s",
 }
 # Attach takes Setup's options but one network: `networks` and `pod` are Setup's.
-ATTACH_OPTIONS = ("args", "capabilities")
+ATTACH_OPTIONS = ("args", "capabilities", "netns_fd")
 MAX_CNI_ENV = 64
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -122,8 +128,8 @@ def parse_capabilities(text: str) -> dict[str, Any]:
     return caps
 
 
-def parse_options(options: Mapping[str, Any], known: Sequence[str] = tuple(OPTION_KEYS)
-                  ) -> dict[str, Any]:
+def parse_options(options: Mapping[str, Any], known: Sequence[str] = tuple(OPTION_KEYS),
+                  fds: Sequence[int] = ()) -> dict[str, Any]:
     """The `a{sv}` options of Setup/Teardown/Check (or the `known` subset), checked key by key."""
     for key in options:
         if key not in known:
@@ -146,6 +152,13 @@ def parse_options(options: Mapping[str, Any], known: Sequence[str] = tuple(OPTIO
         out["pod"] = PodMeta(pod["namespace"], pod["name"], pod.get("uid", ""))
     if "capabilities" in options:
         out["capabilities"] = parse_capabilities(_variant(options, "capabilities"))
+    if "netns_fd" in options:
+        fd = _variant(options, "netns_fd")
+        # Only a descriptor the message carried: without one dbus-fast leaves the
+        # index, which would name whatever file the agent has open under it.
+        if not isinstance(fd, int) or fd not in fds:
+            raise _invalid("options.netns_fd", "no file descriptor came with the call")
+        out["netns_fd"] = fd
     return out
 
 
@@ -192,6 +205,10 @@ class AgentInterface(ServiceInterface):
         self._reload = reload
         self.in_flight = InFlight()
         self._caller: ContextVar[str | None] = ContextVar("cni_agent_caller", default=None)
+        # The descriptors a call carried: ours to close once it is answered.
+        self._fds: ContextVar[tuple[int, ...]] = ContextVar("cni_agent_fds", default=())
+        self._uid: ContextVar[int] = ContextVar("cni_agent_uid", default=-1)
+        self._waits: dict[str, int] = {}  # sender → WaitReady calls in flight (unprivileged)
         self._shown = monitor.state
 
     # --- plumbing -------------------------------------------------------------------
@@ -205,6 +222,7 @@ class AgentInterface(ServiceInterface):
         if msg.message_type is not MessageType.METHOD_CALL or msg.path != OBJECT_PATH:
             return None
         self._caller.set(msg.sender)
+        self._fds.set(tuple(fd for fd in msg.unix_fds if isinstance(fd, int)))
         if msg.interface in (INTERFACE, None) and msg.member in SIGNATURES:
             expected = SIGNATURES[msg.member]
             if (msg.signature or "") != expected:
@@ -219,7 +237,7 @@ class AgentInterface(ServiceInterface):
         with self.in_flight:
             try:
                 if mutating:
-                    await self.authorizer.require(self._caller.get(), name)
+                    self._uid.set(await self.authorizer.require(self._caller.get(), name))
                 value = await work()
                 result = "ok"
                 return value
@@ -237,7 +255,14 @@ class AgentInterface(ServiceInterface):
                 result = _short(err)
                 raise err from None
             finally:
+                for fd in self._fds.get():
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
                 self._on_operation(name, result)
+
+    async def _privileged(self, what: str) -> bool:
+        """Whether the caller is root or a member (for the bounds of read-only calls)."""
+        return (await self.authorizer.identify(self._caller.get(), what))[1]
 
     def on_state(self, state: NetworkState) -> None:
         """Monitor listener: announce exactly the properties that changed."""
@@ -304,9 +329,10 @@ class AgentInterface(ServiceInterface):
     @signature("s", "s", "a{sv}", returns="s")
     async def Setup(self, sandbox_id: str, netns: str, options: dict[str, Variant]) -> str:
         async def work() -> str:
-            opts = parse_options(options)
+            opts = parse_options(options, fds=self._fds.get())
             req = SetupRequest(sandbox_id, netns, opts.get("networks", ()), opts.get("args", ()),
-                               opts.get("pod"), opts.get("capabilities", {}))
+                               opts.get("pod"), opts.get("capabilities", {}),
+                               netns_fd=opts.get("netns_fd"), caller=self._uid.get())
             return json.dumps(await self.manager.setup(req))
 
         result: str = await self._serve("Setup", work)
@@ -317,7 +343,7 @@ class AgentInterface(ServiceInterface):
     async def Teardown(self, sandbox_id: str, netns: str, options: dict[str, Variant]) -> None:
         async def work() -> None:
             parse_options(options)
-            await self.manager.teardown(sandbox_id, netns)
+            await self.manager.teardown(sandbox_id, netns, self._uid.get())
 
         await self._serve("Teardown", work)
 
@@ -326,7 +352,7 @@ class AgentInterface(ServiceInterface):
     async def Check(self, sandbox_id: str, netns: str, options: dict[str, Variant]) -> None:
         async def work() -> None:
             parse_options(options)
-            await self.manager.check(sandbox_id, netns)
+            await self.manager.check(sandbox_id, netns, self._uid.get())
 
         await self._serve("Check", work)
 
@@ -334,7 +360,7 @@ class AgentInterface(ServiceInterface):
     @signature("s", returns="s")
     async def Show(self, sandbox_id: str) -> str:
         async def work() -> str:
-            return json.dumps(await self.manager.show(sandbox_id))
+            return json.dumps(await self.manager.show(sandbox_id, self._uid.get()))
 
         result: str = await self._serve("Show", work)
         return result
@@ -342,7 +368,8 @@ class AgentInterface(ServiceInterface):
     @method()
     @signature(returns="as")
     async def ListSandboxes(self) -> list[str]:
-        result: list[str] = await self._serve("ListSandboxes", self.manager.list)
+        result: list[str] = await self._serve("ListSandboxes",
+                                              lambda: self.manager.list(self._uid.get()))
         return result
 
     @method()
@@ -351,7 +378,20 @@ class AgentInterface(ServiceInterface):
         async def work() -> bool:
             if not math.isfinite(timeout_seconds) or timeout_seconds < 0:
                 raise _invalid("timeout_seconds", "must be a non-negative number of seconds")
-            return await self.monitor.wait_ready(min(timeout_seconds, MAX_WAIT))
+            sender = self._caller.get() or ""
+            if await self._privileged("WaitReady"):
+                return await self.monitor.wait_ready(min(timeout_seconds, MAX_WAIT))
+            if self._waits.get(sender, 0) >= UNPRIVILEGED_MAX_WAITS:
+                raise AgentError(ErrorKind.BUSY, f"at most {UNPRIVILEGED_MAX_WAITS} WaitReady calls "
+                                                 "at once per connection (for callers neither root "
+                                                 "nor in the access group)")
+            self._waits[sender] = self._waits.get(sender, 0) + 1
+            try:
+                return await self.monitor.wait_ready(min(timeout_seconds, MAX_WAIT))
+            finally:
+                self._waits[sender] -= 1
+                if not self._waits[sender]:
+                    del self._waits[sender]
 
         result: bool = await self._serve("WaitReady", work, mutating=False)
         return result
@@ -360,7 +400,7 @@ class AgentInterface(ServiceInterface):
     @signature("as")
     async def GarbageCollect(self, valid_sandbox_ids: list[str]) -> None:
         async def work() -> None:
-            await self.manager.garbage_collect(valid_sandbox_ids)
+            await self.manager.garbage_collect(valid_sandbox_ids, self._uid.get())
 
         await self._serve("GarbageCollect", work)
 
@@ -385,9 +425,10 @@ class AgentInterface(ServiceInterface):
     async def Attach(self, sandbox_id: str, netns: str, network: str, ifname: str,
                      options: dict[str, Variant]) -> str:
         async def work() -> str:
-            opts = parse_options(options, ATTACH_OPTIONS)
+            opts = parse_options(options, ATTACH_OPTIONS, self._fds.get())
             req = AttachRequest(sandbox_id, netns, network, ifname or DEFAULT_IFNAME,
-                                opts.get("args", ()), opts.get("capabilities", {}))
+                                opts.get("args", ()), opts.get("capabilities", {}),
+                                netns_fd=opts.get("netns_fd"), caller=self._uid.get())
             return json.dumps(await self.shim.attachments.attach(req))
 
         result: str = await self._serve("Attach", work)
@@ -400,7 +441,7 @@ class AgentInterface(ServiceInterface):
         async def work() -> None:
             parse_options(options, ATTACH_OPTIONS)
             await self.shim.attachments.detach(sandbox_id, netns, network,
-                                               ifname or DEFAULT_IFNAME)
+                                               ifname or DEFAULT_IFNAME, caller=self._uid.get())
 
         await self._serve("Detach", work)
 
@@ -410,6 +451,15 @@ class AgentInterface(ServiceInterface):
         async def work() -> list[Any]:
             if len(environment) > MAX_CNI_ENV:
                 raise _invalid("environment", f"more than {MAX_CNI_ENV} variables")
+            if mutating and self._uid.get() != 0:
+                # A runtime's call names its namespace by path: root's alone.
+                raise AgentError(ErrorKind.ACCESS_DENIED,
+                                 f"CNICall {command_of(environment) or '(no command)'} is for "
+                                 "runtimes running as root; use Setup or Attach with netns_fd")
+            if not mutating and len(config.encode()) > UNPRIVILEGED_MAX_STDIN and \
+                    not await self._privileged("CNICall"):
+                raise _invalid("config", f"larger than {UNPRIVILEGED_MAX_STDIN} bytes (the limit "
+                                         "for callers neither root nor in the access group)")
             env = {k: v for k, v in environment.items() if k.startswith("CNI_")}
             answer = await self.shim.handle(env, config)
             return [answer.exit_status, answer.output]
