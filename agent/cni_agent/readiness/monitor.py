@@ -3,9 +3,12 @@
 NetworkReady is true exactly when the default network is valid and its
 STATUS succeeds. Phase 1 polls every `startup_interval` until the first
 success, phase 2 every `interval`, forever; file events (config or plugin
-binary changed) re-evaluate at once. Readers never wait on a plugin: the
-state is an immutable snapshot replaced after each evaluation, and no lock
-is held across an exec.
+binary changed) re-read the disk at once (`scan.py`). Each network's STATUS
+runs in its own task (`polls.py`), and the verdict is decided again from what
+is known whenever the disk is re-read or any network answers: one network's
+STATUS never delays another's verdict, and a file event never waits for one.
+Readers never wait on a plugin: the state is an immutable snapshot replaced
+after each decision, and no lock is held across an exec.
 """
 
 from __future__ import annotations
@@ -17,10 +20,11 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from cni_agent.cni.config import InvalidNetwork, NetworkConfigList, load_dir
-from cni_agent.cni.errors import CNIError, ConfigError
+from cni_agent.cni.config import InvalidNetwork, NetworkConfigList
 from cni_agent.cni.runtime import CNIRuntime
 from cni_agent.node.watch import DirWatcher
+from cni_agent.readiness.polls import Polls
+from cni_agent.readiness.scan import Scan, read_disk
 
 log = logging.getLogger(__name__)
 
@@ -44,16 +48,12 @@ STOPPED = NetworkState(False, "Stopping: network not ready (shutting down)", las
 
 
 @dataclass(frozen=True)
-class _Evaluation:
-    """What one look at the disk and the plugins found."""
+class _Verdict:
+    """The last decision about the default network (not the public state, which shutdown overrides)."""
 
-    networks: tuple[NetworkConfigList, ...]
-    invalid: tuple[InvalidNetwork, ...]
-    default: NetworkConfigList | None
-    error: str  # why the default cannot serve ADD; "" when it can
-    status_failure: bool  # the error came from STATUS (grace period applies)
-    others: tuple[tuple[str, str], ...]
-    refused_dirs: tuple[tuple[str, str], ...] = ()  # plugin dirs left out of CNI_PATH, and why
+    default: str
+    healthy: bool
+    error: str
 
 
 class Monitor:
@@ -85,6 +85,9 @@ class Monitor:
         self.state = STARTING
         self._networks: dict[str, NetworkConfigList] = {}
         self._default: NetworkConfigList | None = None
+        self._scan: Scan | None = None
+        self._verdict: _Verdict | None = None
+        self._polls = Polls(runtime, self._answered)
         self._healthy = False  # the real verdict, kept while shutting down
         self._ever_ready = False
         self._failing_since: float | None = None
@@ -92,8 +95,8 @@ class Monitor:
         self._waiters: set[asyncio.Future[bool]] = set()
         self._wake = asyncio.Event()
         self._requested = 0
-        self._completed = 0
-        self._evaluated = asyncio.Condition()
+        self._scanned = 0
+        self._reloads: list[tuple[int, asyncio.Future[None]]] = []
         self._task: asyncio.Task[None] | None = None
         self._gc_task: asyncio.Task[None] | None = None
         self._gc_again = False
@@ -128,7 +131,7 @@ class Monitor:
         """Why network `name` ("" = the default) cannot serve ADD now; "" when it can.
 
         The answer of a runtime's STATUS through the shim: from the last
-        evaluation, so it never waits on a plugin.
+        decision and the last answers, so it never waits on a plugin.
         """
         st = self.state
         if self._stopped or st is STARTING or not name or name == st.default_network:
@@ -138,6 +141,9 @@ class Monitor:
             if bad is not None:
                 return f"network {name} is invalid: {bad.source}: {bad.reason}"
             return f"network {name} not found (valid networks: {', '.join(st.networks) or 'none'})"
+        poll = self._polls.get(name)
+        if poll is not None and not poll.checked:
+            return f"network {name}: not checked yet"
         failure = dict(st.network_errors).get(name)
         return f"network {name}: {failure}" if failure else ""
 
@@ -179,18 +185,21 @@ class Monitor:
         self._task = asyncio.create_task(self._loop(), name="cni-agent-monitor")
 
     def trigger(self, reason: str = "") -> None:
-        """Re-evaluate as soon as possible (file event, reload)."""
+        """Re-read the disk and re-poll every network as soon as possible (file event, reload)."""
         if reason:
             log.debug("re-evaluating: %s", reason)
         self._requested += 1
         self._wake.set()
 
     async def reload(self) -> NetworkState:
-        """Re-read everything now; returns once an evaluation started after this call ended."""
+        """Re-read everything now; returns once the disk was re-read, and every
+        network answered a STATUS, after this call was made."""
         self.trigger("reload requested")
         target = self._requested
-        async with self._evaluated:
-            await self._evaluated.wait_for(lambda: self._completed >= target or self._stopped)
+        if not self._stopped and not self._round_done(target):
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._reloads.append((target, fut))
+            await fut
         return self.state
 
     def begin_shutdown(self) -> None:
@@ -212,12 +221,12 @@ class Monitor:
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
+        await self._polls.stop()
         if self._watcher is not None:
             await self._watcher.stop()
-        async with self._evaluated:
-            self._evaluated.notify_all()
+        self._wake_reloads()
 
-    # --- the loop -------------------------------------------------------------
+    # --- the scan loop: the disk, and the schedule of every poll ----------------
 
     def _on_watch_error(self, reason: str) -> None:
         log.warning("file watching failed, falling back to polling: %s", reason)
@@ -236,116 +245,109 @@ class Monitor:
             self._wake.clear()
             started = self._requested
             try:
-                found = await self._evaluate()
-                self._apply(found)
+                scan = await read_disk(self.runtime, self.conf_dir, self.pinned, self.fallback)
+                self._scan = scan
+                self._networks = {n.name: n for n in scan.networks}
+                self._default = scan.default
+                self._polls.reconcile(scan.networks)
+                # Idle networks are polled now; one in flight is not waited for.
+                self._polls.request(started)
+                self._decide()
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # monitoring must never stop
                 log.exception("readiness evaluation failed")
+                self._scan = None  # no answer may decide from a stale scan until one succeeds
                 self._apply_error(f"internal error while checking the network: {e}")
-            self._completed = max(self._completed, started)
-            async with self._evaluated:
-                self._evaluated.notify_all()
+            self._scanned = max(self._scanned, started)
+            self._wake_reloads()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self._delay()):
                     await self._wake.wait()
 
-    async def _evaluate(self) -> _Evaluation:
-        # Plugin dirs first: validation and STATUS below look only in trusted ones.
-        refused = (await asyncio.to_thread(self.runtime.refresh_plugin_path)).untrusted
-        loaded = await asyncio.to_thread(load_dir, self.conf_dir)
-        valid: list[NetworkConfigList] = []
-        invalid = list(loaded.invalid)
-        for net in loaded.networks:
-            try:
-                await self.runtime.validate(net)
-            except ConfigError as e:
-                invalid.append(InvalidNetwork(e.source, e.reason, net.name))
-            else:
-                valid.append(net)
-        default, error = self._choose_default(valid, invalid)
-        if default is not None and default not in valid:
-            valid.append(default)  # the fallback
-        status_failure = False
-        others: list[tuple[str, str]] = []
-        # Concurrently: a hanging plugin of another network must not delay the default's verdict.
-        failures = await asyncio.gather(*(self._status(net) for net in valid))
-        for net, failure in zip(valid, failures, strict=True):
-            if failure is None:
+    def _round_done(self, target: int) -> bool:
+        return self._scanned >= target and self._polls.answered(target)
+
+    def _wake_reloads(self) -> None:
+        keep = []
+        for target, fut in self._reloads:
+            if fut.done():
                 continue
-            if net is default:
-                error, status_failure = f"network {net.name}: {failure}", True
+            if self._stopped or self._round_done(target):
+                fut.set_result(None)
             else:
-                others.append((net.name, str(failure)))
-        return _Evaluation(tuple(valid), tuple(invalid), default, error, status_failure,
-                           tuple(others), refused)
+                keep.append((target, fut))
+        self._reloads = keep
 
-    async def _status(self, net: NetworkConfigList) -> CNIError | None:
-        try:
-            await self.runtime.status(net)
-        except CNIError as e:
-            return e
-        return None
+    # --- the verdict: from the last scan and each network's last answer ----------
 
-    def _choose_default(
-        self, valid: list[NetworkConfigList], invalid: list[InvalidNetwork]
-    ) -> tuple[NetworkConfigList | None, str]:
-        if self.pinned:
-            for net in valid:
-                if net.name == self.pinned:
-                    return net, ""
-            for bad in invalid:
-                if bad.name == self.pinned:
-                    return None, f"default network {self.pinned} is invalid: {bad.source}: {bad.reason}"
-            return None, (
-                f'default network {self.pinned} not found: expected a file in {self.conf_dir} '
-                f'with "name": "{self.pinned}"'
-            )
-        if valid:
-            return valid[0], ""
-        if self.fallback is not None:
-            return self.fallback, ""
-        why = f"no valid CNI network configuration in {self.conf_dir}"
-        if invalid:
-            why += f" ({invalid[0].source}: {invalid[0].reason})"
-        return None, why + ". Has your network provider started?"
+    def _answered(self) -> None:
+        """A network's STATUS answered: decide again at once, whatever else is in flight."""
+        self._decide()
+        self._wake_reloads()
 
-    def _apply(self, found: _Evaluation) -> None:
-        self._networks = {n.name: n for n in found.networks}
-        self._default = found.default
+    def _decide(self) -> None:
+        """Decide and publish from what is known now; after every scan and every answer."""
+        scan = self._scan
+        if scan is None:
+            return
+        error, status_failure, held = scan.error, False, False
+        default = scan.default.name if scan.default is not None else ""
+        poll = self._polls.get(default) if default else None
+        if poll is not None and poll.checked:
+            if poll.failure is not None:
+                error, status_failure = f"network {default}: {poll.failure}", True
+        elif default:  # its STATUS has not answered yet
+            if self._verdict is None:
+                return  # the first verdict waits for the default's first answer
+            if self._verdict.default == default:
+                # Its config changed: the last verdict stands until the new STATUS answers.
+                held = True
+            else:
+                # Another network became the default: the old one's verdict is void.
+                error = f"network {default}: not checked yet"
         now = self._clock()
-        if not found.error:
+        if held:
+            assert self._verdict is not None
+            healthy, error = self._verdict.healthy, self._verdict.error
+        elif not error:
             self._failing_since = None
             healthy = True
-        elif found.status_failure and self.grace_period > 0 and self._healthy:
+        elif status_failure and self.grace_period > 0 and self._healthy:
             # A STATUS failure must last the grace period before it counts.
             if self._failing_since is None:
                 self._failing_since = now
-                log.warning("default network failing, grace period %gs: %s", self.grace_period, found.error)
+                log.warning("default network failing, grace period %gs: %s", self.grace_period, error)
             healthy = now - self._failing_since < self.grace_period
             if not healthy:
                 self._failing_since = None
         else:
             self._failing_since = None
             healthy = False
-        names = tuple(n.name for n in found.networks)
-        default = found.default.name if found.default else ""
+        self._verdict = _Verdict(default, healthy, "" if healthy else error)
+        others = []
+        for net in scan.networks:
+            p = self._polls.get(net.name)
+            if net.name != default and p is not None and p.checked and p.failure is not None:
+                others.append((net.name, p.failure))
+        names = tuple(n.name for n in scan.networks)
         if healthy:
             state = NetworkState(
-                True, _ready_text(default, names, found), default, names, "", found.invalid,
-                found.others,
+                True, _ready_text(default, names, tuple(others), scan), default, names, "",
+                scan.invalid, tuple(others),
             )
         else:
             # A refused plugin dir may be why (the error then names it already).
-            error = "; ".join([found.error, *(_refused_note(d, why) for d, why in found.refused_dirs
-                                              if why not in found.error)])
+            error = "; ".join([error, *(_refused_note(d, why) for d, why in scan.refused_dirs
+                                        if why not in error)])
             state = NetworkState(
-                False, f"Network not ready: {error}", default, names, error,
-                found.invalid, found.others,
+                False, f"Network not ready: {error}", default, names, error, scan.invalid,
+                tuple(others),
             )
         self._set_health(healthy, state)
 
     def _apply_error(self, error: str) -> None:
+        self._verdict = _Verdict("", False, error)
         state = NetworkState(False, f"Network not ready: {error}", "", self.state.networks, error)
         self._set_health(False, state)
 
@@ -399,14 +401,15 @@ class Monitor:
                 return
 
 
-def _ready_text(default: str, names: tuple[str, ...], found: _Evaluation) -> str:
+def _ready_text(default: str, names: tuple[str, ...], others: tuple[tuple[str, str], ...],
+                scan: Scan) -> str:
     count = f"{len(names)} network{'s' if len(names) != 1 else ''}"
     text = f"Network ready: default network {default} ({count})"
-    notes = [f"network {name}: {err}" for name, err in found.others]
-    notes.extend(_refused_note(d, why) for d, why in found.refused_dirs)
-    if found.invalid:
-        first = found.invalid[0]
-        more = f" and {len(found.invalid) - 1} more" if len(found.invalid) > 1 else ""
+    notes = [f"network {name}: {err}" for name, err in others]
+    notes.extend(_refused_note(d, why) for d, why in scan.refused_dirs)
+    if scan.invalid:
+        first = scan.invalid[0]
+        more = f" and {len(scan.invalid) - 1} more" if len(scan.invalid) > 1 else ""
         notes.append(f"invalid config {first.source}: {first.reason}{more}")
     return text + ("; " + "; ".join(notes) if notes else "")
 
