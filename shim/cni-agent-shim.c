@@ -26,9 +26,17 @@
 #define AGENT_NAME "org.cniagent.Agent1"
 #define AGENT_PATH "/org/cniagent/Agent1"
 #define AGENT_IFACE "org.cniagent.Agent1"
-/* The agent bounds every verb itself (readiness wait + lock wait + plugin
- * timeouts); the runtime bounds the shim. This is only a backstop. */
-#define CALL_TIMEOUT_USEC (3600ULL * 1000000ULL)
+/* The agent bounds every verb itself, and the runtime bounds the shim; this is
+ * a backstop for callers that do not (podman, cnitool) against an agent that
+ * never answers. Derived from the agent's default timeouts (README,
+ * "Timeouts"): an ADD, the longest call, waits for readiness (timeouts.ready,
+ * 30 s) and for recovery and the lock (timeouts.lock, 60 s), runs its chain
+ * (timeouts.add, 120 s for the whole chain) and, if that fails, the rollback
+ * (timeouts.del, 60 s): 270 s, + 30 s margin. When it fires, the agent still
+ * finishes or rolls back the ADD, as when a runtime kills the shim, and the
+ * runtime's DEL removes what is left. */
+#define CALL_TIMEOUT_SEC 300ULL
+#define CALL_TIMEOUT_USEC (CALL_TIMEOUT_SEC * 1000000ULL)
 /* The agent refuses configurations over 1 MiB with a clear error; read a
  * little more so that it, not a truncation here, says so. */
 #define MAX_STDIN (1024 * 1024 + 1)

@@ -95,9 +95,11 @@ class PluginUnsafe(ExecError):
 class PluginTimeout(ExecError):
     """The plugin did not finish in time; its process group was killed."""
 
-    def __init__(self, plugin: str, verb: str, timeout: float) -> None:
+    def __init__(self, plugin: str, verb: str, timeout: float, what: str = "") -> None:
+        # `what`: the runtime's wording when a chain's deadline ran out (it
+        # names the chain; `timeout` 0: the plugin was never started).
         super().__init__(
-            plugin, verb, f"timed out after {timeout:g}s (process group killed)"
+            plugin, verb, what or f"timed out after {timeout:g}s (process group killed)"
         )
         self.timeout = timeout
 

@@ -1,7 +1,8 @@
 """Chains of plugins over a network configuration list (libcni's shape).
 
 One public method per verb; each loops over `_run` for its plugins. Version
-gates live here, once each.
+gates live here, once each. ADD, DEL and CHECK run under one deadline per
+chain (`ChainDeadline`); STATUS, GC and VERSION time each plugin.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import asyncio
 import json
 import logging
 import os
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -25,6 +27,7 @@ from cni_agent.cni.errors import (
     PluginBadOutput,
     PluginError,
     PluginNotFound,
+    PluginTimeout,
     PluginUnsafe,
 )
 from cni_agent.cni.exec import (
@@ -47,7 +50,13 @@ LEGACY_ATTACHMENTS_KEY = "cni.dev/attachments"
 
 @dataclass(frozen=True)
 class Timeouts:
-    """Seconds allowed per verb; every plugin execution has one."""
+    """Seconds allowed per verb; every plugin execution has a timeout.
+
+    `add`, `delete` and `check` bound a whole chain: one deadline, each plugin
+    getting what is left of it. A DEL is a chain of its own, so the rollback of
+    an ADD that ran out of time gets its full `delete`. `status`, `gc` and
+    `version` bound each plugin execution (GC goes on past a failed plugin).
+    """
 
     add: float = 120.0
     delete: float = 60.0
@@ -55,6 +64,43 @@ class Timeouts:
     status: float = 10.0
     gc: float = 60.0
     version: float = 10.0
+
+
+# The configuration key of each chain-bounded verb, for messages.
+_CHAIN_KEYS = {"ADD": "timeouts.add", "DEL": "timeouts.del", "CHECK": "timeouts.check"}
+
+
+@dataclass(frozen=True)
+class ChainDeadline:
+    """One deadline for a whole ADD, DEL or CHECK chain (monotonic clock).
+
+    Each plugin runs with the time left as its timeout (the executor kills its
+    process group when it runs out); a plugin due when none is left fails at
+    once, as a timeout, without being started.
+    """
+
+    verb: str
+    network: str
+    budget: float  # seconds for the whole chain
+    ends: float  # time.monotonic() when it runs out
+
+    @classmethod
+    def starting(cls, verb: str, network: str, budget: float,
+                 now: float | None = None) -> ChainDeadline:
+        return cls(verb, network, budget, (time.monotonic() if now is None else now) + budget)
+
+    def left(self, now: float | None = None) -> float:
+        """Seconds left, never negative."""
+        return max(0.0, self.ends - (time.monotonic() if now is None else now))
+
+    def timed_out(self, plugin: str, given: float) -> PluginTimeout:
+        """The error of `plugin`, killed after `given` seconds (0: never started)."""
+        chain = (f"the {self.verb} chain of network {self.network} ran out of its "
+                 f"{self.budget:g}s ({_CHAIN_KEYS.get(self.verb, 'timeouts')})")
+        if given <= 0:
+            return PluginTimeout(plugin, self.verb, 0.0, what=f"not started: {chain}")
+        return PluginTimeout(plugin, self.verb, given,
+                             what=f"timed out after {given:.3g}s (process group killed): {chain}")
 
 
 @dataclass(frozen=True)
@@ -164,14 +210,25 @@ class CNIRuntime:
 
     async def _run(
         self, net: NetworkConfigList, plugin: PluginConf, inv: Invocation, stdin: bytes,
-        timeout: float,
+        timeout: float | ChainDeadline,
     ) -> bytes:
+        """One plugin execution: `timeout` seconds, or what is left of its chain's deadline."""
         with log_fields(CNI_COMMAND=inv.command, PLUGIN=plugin.type, NETWORK=net.name,
                         IFNAME=inv.ifname, SANDBOX_ID=inv.container_id):
             try:
                 binary = self.find(plugin.type, inv.command)
-                log.debug("running %s %s of %s", plugin.type, inv.command, net.name)
-                return await self.executor.execute(plugin.type, binary, inv, stdin, timeout)
+                if not isinstance(timeout, ChainDeadline):
+                    log.debug("running %s %s of %s", plugin.type, inv.command, net.name)
+                    return await self.executor.execute(plugin.type, binary, inv, stdin, timeout)
+                left = timeout.left()
+                if left <= 0:
+                    raise timeout.timed_out(plugin.type, 0.0)
+                log.debug("running %s %s of %s (%.3gs left of its chain's %gs)", plugin.type,
+                          inv.command, net.name, left, timeout.budget)
+                try:
+                    return await self.executor.execute(plugin.type, binary, inv, stdin, left)
+                except PluginTimeout as e:
+                    raise timeout.timed_out(plugin.type, e.timeout) from None
             except CNIError as e:
                 # A failing STATUS is how "not ready" looks: the monitor reports it.
                 level = logging.DEBUG if inv.command in _QUIET_FAILURES else logging.WARNING
@@ -194,18 +251,20 @@ class CNIRuntime:
 
     async def add(self, net: NetworkConfigList, rt: RuntimeConf,
                   then: Callable[[], None] | None = None) -> dict[str, Any]:
-        """Run the chain forward and cache the final result.
+        """Run the chain forward, all of it within `timeouts.add`, and cache the
+        final result.
 
-        Nothing is cached on failure; the caller must DEL (the spec requires it).
+        Nothing is cached on failure; the caller must DEL (the spec requires it),
+        a chain with a deadline of its own.
         `then` runs in the same worker call, right after the cache entry is
         written (the journal's commit: one thread hop for both).
         """
         prev: dict[str, Any] | None = None
         inv = self._invocation("ADD", rt)
+        deadline = ChainDeadline.starting("ADD", net.name, self.timeouts.add)
         for plugin in net.plugins:
             out = await self._run(
-                net, plugin, inv, plugin_stdin(net, plugin, prev, rt.capability_args),
-                self.timeouts.add,
+                net, plugin, inv, plugin_stdin(net, plugin, prev, rt.capability_args), deadline,
             )
             if not out.strip():
                 # libcni fails here too: an empty result would replace the
@@ -262,26 +321,29 @@ class CNIRuntime:
         once more with IgnoreUnknown=1. A plugin that rejected the caller's
         CNI_ARGS on ADD ("unknown args") rejects them on every DEL too, which
         would make the attachment impossible to remove; the DEL does not need
-        them, and IgnoreUnknown is the spec's way to say so.
+        them, and IgnoreUnknown is the spec's way to say so. Both tries share
+        one `timeouts.del` deadline; a timed-out DEL is not tried again.
         """
         if use_cache and prev_result is None:
             prev_result = await asyncio.to_thread(self._cached_result, net, rt)
         prev = self._prev_result(net, prev_result)
+        deadline = ChainDeadline.starting("DEL", net.name, self.timeouts.delete)
         try:
-            await self._delete_chain(net, rt, prev)
-        except CNIError:
-            if not rt.args or any(k == "IgnoreUnknown" for k, _ in rt.args):
+            await self._delete_chain(net, rt, prev, deadline)
+        except CNIError as e:
+            if (isinstance(e, PluginTimeout) or not rt.args
+                    or any(k == "IgnoreUnknown" for k, _ in rt.args)):
                 raise
-            await self._delete_chain(net, replace(rt, args=(("IgnoreUnknown", "1"), *rt.args)), prev)
+            await self._delete_chain(net, replace(rt, args=(("IgnoreUnknown", "1"), *rt.args)),
+                                     prev, deadline)
         self.cache.delete(net.name, rt.container_id, rt.ifname)  # an unlink: no thread hop
 
     async def _delete_chain(self, net: NetworkConfigList, rt: RuntimeConf,
-                            prev: Mapping[str, Any] | None) -> None:
+                            prev: Mapping[str, Any] | None, deadline: ChainDeadline) -> None:
         inv = self._invocation("DEL", rt)
         for plugin in reversed(net.plugins):
             await self._run(
-                net, plugin, inv, plugin_stdin(net, plugin, prev, rt.capability_args),
-                self.timeouts.delete,
+                net, plugin, inv, plugin_stdin(net, plugin, prev, rt.capability_args), deadline,
             )
 
     @staticmethod
@@ -306,8 +368,8 @@ class CNIRuntime:
 
     async def check(self, net: NetworkConfigList, rt: RuntimeConf, *,
                     prev_result: Mapping[str, Any] | None = None) -> bool:
-        """CHECK with the cached result (read here unless given); False when the
-        list does not support CHECK."""
+        """CHECK with the cached result (read here unless given), the whole chain
+        within `timeouts.check`; False when the list does not support CHECK."""
         if not version_at_least(net.cni_version, "0.4.0") or net.disable_check:
             return False
         if prev_result is None:
@@ -317,10 +379,10 @@ class CNIRuntime:
             raise NoCachedResult(
                 f"no cached result for {rt.container_id}/{rt.ifname} on network {net.name}")
         inv = self._invocation("CHECK", rt)
+        deadline = ChainDeadline.starting("CHECK", net.name, self.timeouts.check)
         for plugin in net.plugins:
             await self._run(
-                net, plugin, inv, plugin_stdin(net, plugin, prev, rt.capability_args),
-                self.timeouts.check,
+                net, plugin, inv, plugin_stdin(net, plugin, prev, rt.capability_args), deadline,
             )
         return True
 
