@@ -395,7 +395,15 @@ def power_loss(kills: int, sandboxes: int = 12, seed: int = 4) -> Report:
             stop.set()
             for t in threads:
                 t.join(30)
-            files = sorted([*(state / "sandboxes").glob("*.json"), *(state / "results").glob("*")])
+            # Any cache entry; a record only when its sandbox has a cache entry
+            # too. A record zeroed while its first ADD was in flight (no cache
+            # entry yet) leaves nothing on disk that names the network, and the
+            # agent does not guess (README, "Damaged state never blocks"); our
+            # own writes are durable, so only outside damage can do that.
+            results = sorted((state / "results").glob("*"))
+            cached = {p.name.split("-")[1] for p in results}
+            files = sorted([*(p for p in (state / "sandboxes").glob("*.json") if p.stem in cached),
+                            *results])
             if files:
                 victim = rng.choice(files)
                 victim.write_bytes(b"")
