@@ -11,8 +11,10 @@
  * every systemd node, so the binary needs nothing new there.
  *
  * Errors of the shim itself (no bus, no agent, access refused, timeout) are
- * printed as CNI errors: 11 (try again later) when the agent is not there,
- * 999 otherwise, always with a message a person can act on.
+ * printed as CNI errors: 11 (try again later) when the agent is not there or
+ * went away mid-call (a runtime retries), 7 for a configuration too large to
+ * send, 999 otherwise, always with a message a person can act on and the bus
+ * error and errno in "details".
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -37,9 +39,11 @@
  * runtime's DEL removes what is left. */
 #define CALL_TIMEOUT_SEC 300ULL
 #define CALL_TIMEOUT_USEC (CALL_TIMEOUT_SEC * 1000000ULL)
-/* The agent refuses configurations over 1 MiB with a clear error; read a
- * little more so that it, not a truncation here, says so. */
-#define MAX_STDIN (1024 * 1024 + 1)
+/* The agent refuses configurations over 1 MiB (bytes); one byte more than
+ * that is read so that a longer one is refused here, whole, with the same
+ * code, and never cut in the middle of a UTF-8 sequence and sent. */
+#define MAX_CONFIG (1024 * 1024)
+#define MAX_STDIN (MAX_CONFIG + 1)
 
 /* VERSION is answered here, without the agent: it is about this binary, and
  * runtimes ask it while validating configs, agent running or not. The list is
@@ -47,12 +51,15 @@
  * compares them). */
 #define SUPPORTED_VERSIONS "\"0.3.0\",\"0.3.1\",\"0.4.0\",\"1.0.0\",\"1.1.0\""
 
+#define CODE_INVALID_CONFIG 7
 #define CODE_TRY_AGAIN_LATER 11
 #define CODE_INTERNAL 999
 
 extern char **environ;
 
 static const char *not_running = "cni-agent is not running: systemctl start cni-agent";
+static const char *masked = "cni-agent is not running: its unit is masked "
+                            "(systemctl unmask cni-agent && systemctl start cni-agent)";
 
 /* A JSON string, quoted and escaped. */
 static void json_string(const char *text) {
@@ -114,34 +121,48 @@ static char *read_stdin(size_t *len) {
     return buf;
 }
 
-/* A failed call, as the CNI error a runtime acts on. */
+static int is(const char *name, const char *which) {
+    return !strcmp(name, which);
+}
+
+/* A failed call, as the CNI error a runtime acts on. "details" carries the
+ * bus error and the errno, so that the runtime's log says what happened. */
 static int call_failed(const sd_bus_error *error, int r) {
     const char *name = error && error->name ? error->name : "";
     const char *message = error && error->message ? error->message : strerror(-r);
-    char msg[1024];
+    char msg[1024], details[1024];
 
-    if (!strcmp(name, SD_BUS_ERROR_SERVICE_UNKNOWN) || !strcmp(name, SD_BUS_ERROR_NAME_HAS_NO_OWNER)
-        || !strcmp(name, "org.freedesktop.systemd1.NoSuchUnit")
-        || !strcmp(name, "org.freedesktop.DBus.Error.Spawn.ChildExited")
-        || !strcmp(name, "org.freedesktop.DBus.Error.Spawn.ServiceNotFound"))
-        return cni_error(CODE_TRY_AGAIN_LATER, not_running, message);
-    if (!strcmp(name, AGENT_IFACE ".Error.NotReady") || !strcmp(name, AGENT_IFACE ".Error.Busy")
-        || !strcmp(name, AGENT_IFACE ".Error.ShuttingDown"))
+    snprintf(details, sizeof details, "%s%s%s (%s)", name, *name ? ": " : "", message, strerror(-r));
+    if (is(name, SD_BUS_ERROR_SERVICE_UNKNOWN) || is(name, SD_BUS_ERROR_NAME_HAS_NO_OWNER)
+        || is(name, "org.freedesktop.systemd1.NoSuchUnit")
+        || is(name, "org.freedesktop.DBus.Error.Spawn.ChildExited")
+        || is(name, "org.freedesktop.DBus.Error.Spawn.ServiceNotFound")
+        || is(name, "org.freedesktop.DBus.Error.Spawn.Failed")
+        /* Activation that did not finish in time: the agent is (re)starting. */
+        || is(name, "org.freedesktop.DBus.Error.TimedOut"))
+        return cni_error(CODE_TRY_AGAIN_LATER, not_running, details);
+    if (is(name, "org.freedesktop.systemd1.UnitMasked"))
+        return cni_error(CODE_TRY_AGAIN_LATER, masked, details);
+    if (is(name, AGENT_IFACE ".Error.NotReady") || is(name, AGENT_IFACE ".Error.Busy")
+        || is(name, AGENT_IFACE ".Error.ShuttingDown"))
         return cni_error(CODE_TRY_AGAIN_LATER, message, "");
-    if (!strcmp(name, SD_BUS_ERROR_ACCESS_DENIED) || !strcmp(name, AGENT_IFACE ".Error.AccessDenied")) {
+    if (is(name, SD_BUS_ERROR_ACCESS_DENIED) || is(name, AGENT_IFACE ".Error.AccessDenied")) {
         snprintf(msg, sizeof msg, "access denied by cni-agent: run the runtime as root or as a "
                                   "member of the cni-agent group (%s)", message);
         return cni_error(CODE_INTERNAL, msg, "");
     }
-    if (!strcmp(name, SD_BUS_ERROR_NO_REPLY) || !strcmp(name, SD_BUS_ERROR_TIMEOUT) || r == -ETIMEDOUT) {
-        snprintf(msg, sizeof msg, "cni-agent did not answer in time: see journalctl -u cni-agent (%s)",
-                 message);
-        return cni_error(CODE_INTERNAL, msg, "");
-    }
-    if (!strcmp(name, SD_BUS_ERROR_DISCONNECTED)) {
+    /* NoReply comes from the bus: the agent exited, crashed or restarted with
+     * the call in flight. Whatever it had started it finishes or rolls back
+     * on its next start, so the runtime should simply try again. */
+    if (is(name, SD_BUS_ERROR_NO_REPLY) || is(name, SD_BUS_ERROR_DISCONNECTED)) {
         snprintf(msg, sizeof msg, "cni-agent went away during the call: see journalctl -u "
-                                  "cni-agent (%s)", message);
-        return cni_error(CODE_TRY_AGAIN_LATER, msg, "");
+                                  "cni-agent");
+        return cni_error(CODE_TRY_AGAIN_LATER, msg, details);
+    }
+    /* Our own backstop (CALL_TIMEOUT_SEC): sd-bus names it Timeout. */
+    if (is(name, SD_BUS_ERROR_TIMEOUT) || r == -ETIMEDOUT) {
+        snprintf(msg, sizeof msg, "cni-agent did not answer in time: see journalctl -u cni-agent");
+        return cni_error(CODE_INTERNAL, msg, details);
     }
     snprintf(msg, sizeof msg, "cni-agent refused the call: %s%s%s", message, *name ? ": " : "", name);
     return cni_error(CODE_INTERNAL, msg, "");
@@ -166,13 +187,22 @@ int main(void) {
     if (!config)
         return cni_error(CODE_INTERNAL, "cni-agent-shim: cannot read the network configuration "
                                         "from stdin", strerror(errno));
+    if (len > MAX_CONFIG)
+        return cni_error(CODE_INVALID_CONFIG, "the network configuration is larger than 1048576 bytes",
+                         "cni-agent-shim reads at most 1 MiB from stdin");
     if (strlen(config) != len)
         return cni_error(6, "the network configuration contains a NUL byte", "");
 
     /* sd_bus_open_system honours DBUS_SYSTEM_BUS_ADDRESS, as every D-Bus client does. */
     r = sd_bus_open_system(&bus);
-    if (r < 0)
-        return cni_error(CODE_TRY_AGAIN_LATER, not_running, "cannot connect to the system bus");
+    if (r < 0) {
+        char details[512];
+        const char *address = getenv("DBUS_SYSTEM_BUS_ADDRESS");
+        snprintf(details, sizeof details, "cannot connect to the system bus at %s: %s",
+                 address && *address ? address : "unix:path=/run/dbus/system_bus_socket",
+                 strerror(-r));
+        return cni_error(CODE_TRY_AGAIN_LATER, not_running, details);
+    }
 
     r = sd_bus_message_new_method_call(bus, &call, AGENT_NAME, AGENT_PATH, AGENT_IFACE, "CNICall");
     if (r >= 0)

@@ -303,3 +303,67 @@ def test_a_runtimes_del_after_an_agent_restart_still_finds_what_its_add_made(
     assert run_shim(agent.bus.address, "DEL", conf, cid="c", netns=netns).rc == 0
     assert ipam(tmp_path, "podnet") == [] and addresses(netns) == []
     assert agent.call("ListSandboxes")[0] == []
+
+
+def test_an_oversize_config_is_refused_whole_with_code_7_even_when_multibyte(
+    make_agent: Callable[..., Agent], bridges: Callable[..., str], netns: str, tmp_path: Path,
+) -> None:
+    bridges("podnet", "10.252.0.0/24")
+    agent = make_agent()
+    conf = shim_conf("pods", "podnet")
+    # 600 000 characters, 1.2 MB: cut at 1 MiB in bytes it would split a
+    # UTF-8 sequence and read as "not valid UTF-8" or "not valid JSON".
+    big = json.dumps({**conf, "note": "é" * 600_000}, ensure_ascii=False)
+    assert len(big) < 1024 * 1024 < len(big.encode())
+    reply = run_shim(agent.bus.address, "ADD", big, cid="c", netns=netns)
+    assert reply.rc == 1 and reply.code == 7, reply
+    assert reply.out["msg"] == "the network configuration is larger than 1048576 bytes"
+    # Just under the bound, the same multibyte config reaches the agent and works.
+    fits = json.dumps({**conf, "note": "é" * 500_000}, ensure_ascii=False)
+    assert len(fits.encode()) < 1024 * 1024
+    assert run_shim(agent.bus.address, "ADD", fits, cid="c", netns=netns).rc == 0
+    assert len(ipam(tmp_path, "podnet")) == 1
+    assert run_shim(agent.bus.address, "DEL", fits, cid="c", netns=netns).rc == 0
+    assert ipam(tmp_path, "podnet") == []
+
+
+def test_an_agent_killed_mid_call_is_try_again_later_and_the_retry_finds_it_whole(
+    make_agent: Callable[..., Agent], bridges: Callable[..., str], control: Control,
+    netns: str, tmp_path: Path,
+) -> None:
+    bridges("podnet", "10.253.0.0/24", extra=[plug(control)])
+    agent = make_agent()
+    control.set("ADD", "succeed", sleep=3)
+    conf = shim_conf("pods", "podnet")
+    env = {"PATH": os.environ["PATH"], "CNI_COMMAND": "ADD", "CNI_CONTAINERID": "c",
+           "CNI_NETNS": netns, "CNI_IFNAME": "eth0", "CNI_PATH": "/usr/lib/cni",
+           "DBUS_SYSTEM_BUS_ADDRESS": agent.bus.address}
+    proc = subprocess.Popen([str(SHIM)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                            text=True)
+    assert proc.stdin is not None
+    proc.stdin.write(json.dumps(conf))
+    proc.stdin.close()
+    wait_for(lambda: "ADD" in control.commands(), timeout=10)
+    agent.stop(signal.SIGKILL)  # a crash, or systemd's SIGKILL at TimeoutStopSec
+    assert proc.stdout is not None
+    proc.wait(timeout=10)
+    reply = json.loads(proc.stdout.read())
+    assert proc.returncode == 1 and reply["code"] == 11, reply  # a runtime retries on 11
+    assert reply["msg"] == "cni-agent went away during the call: see journalctl -u cni-agent"
+    assert "org.freedesktop.DBus.Error.NoReply" in reply["details"]
+    # The next start rolls the half-done ADD back; the runtime's retry then works.
+    control.clear("ADD")
+    agent.start()
+    assert run_shim(agent.bus.address, "ADD", conf, cid="c", netns=netns).rc == 0
+    assert len(addresses(netns)) == 1 and len(ipam(tmp_path, "podnet")) == 1
+    assert run_shim(agent.bus.address, "DEL", conf, cid="c", netns=netns).rc == 0
+    assert addresses(netns) == [] and ipam(tmp_path, "podnet") == []
+
+
+def test_no_system_bus_is_try_again_later_with_the_address_and_errno(tmp_path: Path) -> None:
+    address = f"unix:path={tmp_path}/no-bus-here"
+    reply = run_shim(address, "STATUS", shim_conf("pods"))
+    assert reply.rc == 1 and reply.code == 11, reply
+    assert reply.out["msg"] == "cni-agent is not running: systemctl start cni-agent"
+    assert reply.out["details"] == (
+        f"cannot connect to the system bus at {address}: No such file or directory")
