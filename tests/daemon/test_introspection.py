@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+import cni_agent
+from cni_agent.api import INTERFACE_REVISION
 from tests.support.agent import NAME, REPO, Agent
 
 pytestmark = pytest.mark.root
@@ -38,7 +40,7 @@ def test_live_introspection_equals_the_documented_xml(make_agent: Callable[..., 
     live = interface_shape(json.loads(out.stdout)["data"][0])
     documented = interface_shape(DOCUMENTED.read_text())
     assert live == documented
-    assert len(live["methods"]) == 12 and len(live["properties"]) == 6
+    assert len(live["methods"]) == 12 and len(live["properties"]) == 8
 
 
 def test_every_method_and_property_has_a_doc_comment() -> None:
@@ -48,3 +50,14 @@ def test_every_method_and_property_has_a_doc_comment() -> None:
             tag = f'<{kind} name="{el.get("name")}"'
             before = text[: text.index(tag)].rstrip()
             assert before.endswith("-->"), f"{el.get('name')} has no comment before it"
+
+
+def test_version_and_interface_revision_say_what_a_client_talks_to(
+    make_agent: Callable[..., Agent],
+) -> None:
+    agent = make_agent()
+    assert agent.prop("Version") == cni_agent.__version__
+    assert agent.prop("InterfaceRevision") == INTERFACE_REVISION >= 1
+    out = agent.busctl("get-property", NAME, "/org/cniagent/Agent1", "org.cniagent.Agent1",
+                       "InterfaceRevision")
+    assert out.stdout.strip() == f"u {INTERFACE_REVISION}"

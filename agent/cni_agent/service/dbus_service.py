@@ -23,7 +23,15 @@ from dbus_fast.constants import PropertyAccess
 from dbus_fast.errors import DBusError
 from dbus_fast.service import ServiceInterface, dbus_property, method
 
-from cni_agent.api import ERROR_PREFIX, INTERFACE, OBJECT_PATH, AgentError, ErrorKind
+from cni_agent import __version__
+from cni_agent.api import (
+    ERROR_PREFIX,
+    INTERFACE,
+    INTERFACE_REVISION,
+    OBJECT_PATH,
+    AgentError,
+    ErrorKind,
+)
 from cni_agent.cni.args import PodMeta
 from cni_agent.cni.errors import InvalidArgument
 from cni_agent.readiness.monitor import Monitor, NetworkState
@@ -322,6 +330,16 @@ class AgentInterface(ServiceInterface):
     @signature(returns="as")
     def PodCIDRs(self) -> list[str]:
         return list(self.pod_cidrs.cidrs)
+
+    @dbus_property(access=PropertyAccess.READ)
+    @signature(returns="s")
+    def Version(self) -> str:
+        return __version__
+
+    @dbus_property(access=PropertyAccess.READ)
+    @signature(returns="u")
+    def InterfaceRevision(self) -> int:
+        return INTERFACE_REVISION
 
     # --- methods ------------------------------------------------------------------------
 
