@@ -120,7 +120,15 @@ def test_metrics_move_by_exactly_the_operations_made(
     assert after[("cni_agent_network_status_ready", (("network", "testnet"),))] == 1
     assert delta("cni_agent_lock_wait_seconds_count") == 4
     assert delta("cni_agent_busy_refusals_total") == 0
+    # End to end per method, failed calls too: the p99 of pod network set-up.
+    assert delta("cni_agent_operation_duration_seconds_count", method="Setup") == 3
+    assert delta("cni_agent_operation_duration_seconds_count", method="Teardown") == 1
+    assert delta("cni_agent_operation_duration_seconds_sum", method="Setup") > 0
+    assert after[("cni_agent_operation_duration_seconds_bucket",
+                  (("le", "+Inf"), ("method", "Setup")))] >= 3
     _, text = curl(sock, "/metrics")
+    # No *_created series: a timestamp per child that nobody alerts on.
+    assert "_created" not in text
     metrics_file = tmp_path / "metrics.txt"
     metrics_file.write_text(text)
     check = subprocess.run([PROMTOOL, "check", "metrics"], input=text, capture_output=True, text=True)

@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextvars import ContextVar
 from typing import Any, TypeVar
@@ -201,11 +202,12 @@ class AgentInterface(ServiceInterface):
         reload: Callable[[], Awaitable[None]],
         *,
         shim: ShimCalls,
-        on_operation: Callable[[str, str], None] = lambda method, result: None,
+        on_operation: Callable[[str, str, float], None] = lambda method, result, seconds: None,
     ) -> None:
         super().__init__(INTERFACE)
         self.shim = shim
-        self._on_operation = on_operation  # (method, "ok" or the error name): metrics
+        # (method, "ok" or the error name, seconds from arrival to reply): metrics
+        self._on_operation = on_operation
         self.manager = manager
         self.monitor = monitor
         self.pod_cidrs = pod_cidrs
@@ -242,6 +244,8 @@ class AgentInterface(ServiceInterface):
 
     async def _serve(self, name: str, work: Callable[[], Awaitable[Any]], mutating: bool = True) -> Any:
         result = "Cancelled"  # the caller left or we are stopping, unless set below
+        # dbus-fast runs the handler as the message is read: this is its arrival.
+        arrived = time.monotonic()
         with self.in_flight:
             try:
                 if mutating:
@@ -266,7 +270,7 @@ class AgentInterface(ServiceInterface):
                 for fd in self._fds.get():
                     with contextlib.suppress(OSError):
                         os.close(fd)
-                self._on_operation(name, result)
+                self._on_operation(name, result, time.monotonic() - arrived)
 
     async def _privileged(self, what: str) -> bool:
         """Whether the caller is root or a member (for the bounds of read-only calls)."""
