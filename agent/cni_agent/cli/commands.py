@@ -356,30 +356,47 @@ def build_parser() -> argparse.ArgumentParser:
         CRI-O and podman read /etc/cni/net.d): its one plugin, cni-agent-shim, forwards every
         CNI call to this agent, which runs network NAME from its own conf_dir. No agent or
         bus is needed to print it.""",
-        epilog="example:\n  $ cni-agent shim-config --network podnet --name pods"
+        epilog="example:\n  $ cni-agent shim-config --runtime containerd --network podnet --name pods"
                " > /etc/cni/net.d/10-pods.conflist")
     p.add_argument("--network", metavar="NAME", default="", type=_network_name,
                    help="the agent network to use (default: the agent's default network)")
     p.add_argument("--name", metavar="NAME", default="", type=_network_name,
                    help="the network's name for the runtime (default: --network, else cni-agent)")
-    p.add_argument("--cni-version", metavar="VERSION", default=shim_config.DEFAULT_VERSION,
-                   choices=SHIM_VERSIONS,
-                   help=f"cniVersion (default: {shim_config.DEFAULT_VERSION}, which every runtime "
-                        "reads; 1.1.0 adds STATUS and GC, for runtimes on libcni >= 1.2 such as "
-                        "containerd 2)")
+    p.add_argument("--runtime", choices=sorted(shim_config.RUNTIMES),
+                   help="the runtime that reads the file: picks its cniVersion (containerd >= 2.0 and "
+                        "CRI-O >= 1.30: 1.1.0, so their CRI NetworkReady follows the agent; podman 4: "
+                        "1.0.0) and says on stderr where the file goes")
+    p.add_argument("--cni-version", metavar="VERSION", default=None, type=_shim_version,
+                   help=f"cniVersion, overriding --runtime's (without --runtime: "
+                        f"{shim_config.DEFAULT_VERSION}, which every runtime reads; e.g. 1.0.0 for "
+                        "containerd 1.x); one of " + ", ".join(SHIM_VERSIONS))
     p.set_defaults(func=_shim_config)
     return parser
 
 
 def _network_name(value: str) -> str:
+    if not value:  # empty: the default (argparse converts string defaults too)
+        return value
     try:
         return validate_network_name(value)
     except InvalidArgument as e:
         raise argparse.ArgumentTypeError(e.reason) from None
 
 
+def _shim_version(value: str) -> str:
+    if value not in SHIM_VERSIONS:
+        raise argparse.ArgumentTypeError(
+            f"unsupported cniVersion {value!r} (the shim speaks {', '.join(SHIM_VERSIONS)})")
+    return value
+
+
 def _shim_config(args: argparse.Namespace) -> int:
-    print(json.dumps(shim_config.conflist(args.network, args.name, args.cni_version), indent=2))
+    name = shim_config.runtime_name(args.network, args.name)
+    version, comments = shim_config.choose(args.runtime, args.cni_version, name)
+    # Comments on stderr: stdout stays the file itself, for `> FILE`.
+    for line in comments:
+        print(f"# {line}", file=sys.stderr)
+    print(json.dumps(shim_config.conflist(args.network, args.name, version), indent=2))
     return 0
 
 
