@@ -13,6 +13,8 @@ all: setup
 
 setup: system venv
 
+# System packages, and the test tools cached in /var/cache/cni-agent-tests:
+# promtool, containerd 2.x for tests/cri (both extracted from Debian packages).
 system:
 	@tools/setup-system
 
