@@ -1,0 +1,131 @@
+"""containerd 2.x's CRI, through the shim, as kubelet meets it: what `Status`,
+`RunPodSandbox`, `PodSandboxStatus`, `StopPodSandbox` and `RemovePodSandbox`
+answer, and what is left on the node (addresses, netns, DNAT rules).
+
+containerd runs with `restrict_oom_score_adj = true` only where root lacks
+CAP_SYS_RESOURCE, as on these VMs: there runc cannot give the sandbox the
+oom_score_adj of -998 containerd asks for and every RunPodSandbox fails
+("can't get final child's PID from pipe: EOF"). tests/cri/containerd.py
+decides it from /proc/self/status.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import subprocess
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.cri.conftest import SUBNET, Node, netns_addresses
+from tests.cri.containerd import has_cap_sys_resource
+from tests.cri.cri import Pod, PortMapping
+
+pytestmark = pytest.mark.root
+
+
+def until(what: Callable[[], bool], timeout: float) -> float:
+    """Poll `what` every 20 ms; the seconds it took to come true (fails past `timeout`)."""
+    t0 = time.monotonic()
+    while not what():
+        elapsed = time.monotonic() - t0
+        assert elapsed < timeout, f"not within {timeout} s"
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+def dnat_rules() -> str:
+    """The portmap plugin's DNAT rules, as `iptables -t nat -S` lists them."""
+    out = subprocess.run(["iptables", "-w", "-t", "nat", "-S"], capture_output=True, text=True,
+                         check=True).stdout
+    return "\n".join(line for line in out.splitlines() if "DNAT" in line)
+
+
+def test_the_oom_setting_follows_the_capability(node: Node) -> None:
+    # Said here so a reader of the config knows why it is set (module docstring).
+    config = node.containerd.config.read_text()
+    assert f"restrict_oom_score_adj = {str(not has_cap_sys_resource()).lower()}" in config
+
+
+def test_network_ready_follows_the_agent(node: Node) -> None:
+    assert node.cri.network_ready()
+    # The agent's network goes away: containerd's STATUS (1.1.0 list) says so.
+    node.network_file.unlink()
+    gone = until(lambda: not node.cri.network_ready(), 1.0)
+    # What `kubectl describe node` would show: the agent's own reason.
+    assert "network podnet not found" in node.cri.conditions()["NetworkReady"][1]
+    node.network_file.write_text(node.network)
+    until(node.cri.network_ready, 5)
+    # The agent stops: the shim answers "not running" and NetworkReady drops.
+    assert node.agent.stop() == 0
+    stopped = until(lambda: not node.cri.network_ready(), 1.0)
+    assert "cni-agent is not running" in node.cri.conditions()["NetworkReady"][1]
+    node.agent.start()
+    back = until(node.cri.network_ready, 10)
+    print(f"NetworkReady false {gone:.3f} s after the network went, {stopped:.3f} s after the "
+          f"agent stopped; true {back:.3f} s after it started")
+
+
+def test_a_pod_gets_its_address_from_the_agent(node: Node) -> None:
+    sandbox = node.cri.run(Pod("web", namespace="shop"))
+    status = node.cri.status(sandbox)
+    assert status.ready and ipaddress.ip_address(status.ip) in SUBNET
+    assert netns_addresses(status.netns) == [f"{status.ip}/{SUBNET.prefixlen}"]
+    assert node.cli("list").split() == [sandbox]
+    assert status.ip in node.cli("show", sandbox)
+    assert node.allocations() == [status.ip]
+    print(f"RunPodSandbox {sandbox[:12]}: PodSandboxStatus ip {status.ip}, netns {status.netns}")
+
+    node.cri.stop(sandbox)
+    assert node.allocations() == []  # host-local released it
+    assert node.cli("list").split() == []
+    assert not node.cri.status(sandbox).ready
+    node.cri.remove(sandbox)  # containerd's second DEL: nothing left, still success
+    assert node.cri.sandboxes() == []
+
+
+def test_port_mappings_reach_the_agents_portmap(node: Node) -> None:
+    sandbox = node.cri.run(Pod("web", port_mappings=[PortMapping(80, 18247)]))
+    ip = node.cri.status(sandbox).ip
+    rules = [r for r in dnat_rules().splitlines() if "--dport 18247" in r]
+    assert rules and all(f"--to-destination {ip}:80" in r for r in rules), dnat_rules()
+    node.cri.stop(sandbox)
+    assert "--dport 18247" not in dnat_rules()
+    node.cri.remove(sandbox)
+
+
+def test_the_agent_and_containerd_restart_between_run_and_stop(node: Node) -> None:
+    sandbox = node.cri.run(Pod("web", port_mappings=[PortMapping(80, 18248)]))
+    ip = node.cri.status(sandbox).ip
+    node.restart_agent()
+    assert node.cli("list").split() == [sandbox]  # its record outlived the agent
+    node.containerd.stop()
+    node.containerd.start()
+    until(node.cri.network_ready, 5)
+    status = node.cri.status(sandbox)
+    assert status.ready and status.ip == ip
+    assert netns_addresses(status.netns) == [f"{ip}/{SUBNET.prefixlen}"]
+    node.cri.stop(sandbox)
+    assert node.allocations() == [] and node.cli("list").split() == []
+    assert "--dport 18248" not in dnat_rules()
+    node.cri.remove(sandbox)
+
+
+def test_twenty_pods_at_once(node: Node) -> None:
+    pods = [Pod(f"pod-{i}") for i in range(20)]
+    with ThreadPoolExecutor(len(pods)) as pool:
+        t0 = time.monotonic()
+        sandboxes = list(pool.map(node.cri.run, pods))
+        ran = time.monotonic() - t0
+        ips = {node.cri.status(s).ip for s in sandboxes}
+        assert len(ips) == 20 and all(ipaddress.ip_address(ip) in SUBNET for ip in ips)
+        assert sorted(node.cli("list").split()) == sorted(sandboxes)
+        assert sorted(node.allocations()) == sorted(ips)
+        t0 = time.monotonic()
+        list(pool.map(node.cri.stop, sandboxes))
+        stopped = time.monotonic() - t0
+        list(pool.map(node.cri.remove, sandboxes))
+    assert node.allocations() == [] and node.cli("list").split() == []
+    print(f"20 RunPodSandbox at once: {ran:.2f} s; 20 StopPodSandbox: {stopped:.2f} s")
