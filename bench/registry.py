@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from bench import concurrency, detection, durability, footprint, overhead, real_plugins, shim
+from bench import concurrency, cri, detection, durability, footprint, overhead, real_plugins, shim
 
 BENCHMARKS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "overhead": overhead.run,
@@ -15,4 +15,5 @@ BENCHMARKS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "detection": detection.run,
     "footprint": footprint.run,
     "durability": durability.run,
+    "cri": cri.run,
 }

@@ -1,0 +1,181 @@
+"""7. CRI: what a node user feels. RunPodSandbox, StopPodSandbox and
+RemovePodSandbox through containerd 2.x, with containerd's own in-process CNI
+versus through the shim and the agent, and the cost of one CRI `Status`.
+
+Two containerds (tests/cri/containerd.py), one pause image: "own" has the
+bridge + host-local + portmap chain in its conf dir; "shim" has only the
+conflist of `cni-agent shim-config --runtime containerd`, and the agent
+(production settings) runs the same chain on a bridge of its own. Two
+containerds, not two runtime handlers of one, because CRI `Status` runs
+STATUS on the default network only. Every round runs each way once, the
+first rotating; every pod has one hostPort, so portmap writes rules.
+
+The plugins are 1.9.1 (Debian unstable's, cached by tools/setup-system) when
+present, at cniVersion 1.1.0, as on a containerd 2 node; else Debian 12's
+1.1.1 at 1.0.0, where containerd's own Status runs no STATUS at all and the
+Status ratio says little (noted).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from bench.harness import Lab, delete_link, unique
+from bench.report import figure, ratio, result
+from tests.cri.containerd import CACHE, Containerd
+from tests.cri.cri import CRI, Pod, PortMapping
+from tests.cri.image import build_image
+from tests.support.net import allocations
+from tests.support.plugins import write_conf
+
+PLUGINS_191 = CACHE / "cni-plugins-1.9.1"
+SUBNETS = {"own": "10.234.0.0/22", "shim": "10.235.0.0/22"}
+GOALS = {"run": 1.05, "stop": 1.05, "pod": 1.00, "burst": 1.00, "status": 0.5}
+WAYS = ("own", "shim")
+
+
+def chain(name: str, bridge: str, subnet: str, ipam: Path, version: str) -> bytes:
+    return json.dumps({"cniVersion": version, "name": name, "plugins": [
+        {"type": "bridge", "bridge": bridge, "isGateway": True, "ipMasq": False,
+         "ipam": {"type": "host-local", "subnet": subnet, "dataDir": str(ipam)}},
+        {"type": "portmap", "capabilities": {"portMappings": True}}]}).encode()
+
+
+class Pods:
+    """Unique pods, each with its own hostPort."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def next(self, way: str) -> Pod:
+        self.n += 1
+        return Pod(f"{way}-{self.n}", port_mappings=[PortMapping(80, 20000 + self.n)])
+
+
+def cycle(cri: CRI, pod: Pod) -> tuple[float, float, float]:
+    """(run, stop, remove) wall ms of one pod."""
+    t0 = time.perf_counter()
+    sandbox = cri.run(pod)
+    t1 = time.perf_counter()
+    cri.stop(sandbox)
+    t2 = time.perf_counter()
+    cri.remove(sandbox)
+    t3 = time.perf_counter()
+    return (t1 - t0) * 1000, (t2 - t1) * 1000, (t3 - t2) * 1000
+
+
+def burst(pool: ThreadPoolExecutor, cri: CRI, pods: list[Pod]) -> tuple[float, float, float]:
+    """(run, stop, remove) wall ms of all `pods` at once, each phase after the last."""
+    t0 = time.perf_counter()
+    sandboxes = list(pool.map(cri.run, pods))
+    t1 = time.perf_counter()
+    list(pool.map(cri.stop, sandboxes))
+    t2 = time.perf_counter()
+    list(pool.map(cri.remove, sandboxes))
+    t3 = time.perf_counter()
+    return (t1 - t0) * 1000, (t2 - t1) * 1000, (t3 - t2) * 1000
+
+
+def run(smoke: bool) -> dict[str, Any]:
+    rounds, warmup, bursts, size, polls = (1, 0, 1, 3, 2) if smoke else (40, 3, 3, 20, 200)
+    plugins, version = ((PLUGINS_191, "1.1.0") if (PLUGINS_191 / "portmap").exists()
+                        else (Path("/usr/lib/cni"), "1.0.0"))
+    with Lab("cri") as lab:
+        bridges = {way: unique("cr") for way in WAYS}
+        lab.cleanups += [functools.partial(delete_link, b) for b in bridges.values()]
+        ipam = lab.tmp / "ipam"
+        write_conf(lab.conf_dir, "10-podnet.conflist",
+                   chain("podnet", bridges["shim"], SUBNETS["shim"], ipam, version))
+        agent = lab.agent(plugin_dirs=[str(plugins)])
+        assert agent.call("WaitReady", "d", "10")[0] is True, agent.log()
+        image = build_image(lab.tmp)
+        nodes = {"own": Containerd(lab.tmp / "c-own", lab.bus.address, [plugins]),
+                 "shim": Containerd(lab.tmp / "c-shim", lab.bus.address)}
+        (nodes["own"].conf_dir / "10-pods.conflist").write_bytes(
+            chain("pods", bridges["own"], SUBNETS["own"], ipam, version))
+        conf = subprocess.run([sys.executable, "-m", "cni_agent", "shim-config", "--runtime",
+                               "containerd", "--network", "podnet", "--name", "pods"],
+                              capture_output=True, text=True, check=True).stdout
+        (nodes["shim"].conf_dir / "10-pods.conflist").write_text(conf)
+        try:
+            for node in nodes.values():
+                node.start()
+                node.ctr("images", "import", str(image))
+            samples = measure(nodes, rounds, warmup, bursts, size, polls)
+        finally:
+            for node in nodes.values():  # while the agent still answers the shim's DELs
+                node.close()
+        leftover = {way: allocations(ipam, name) for way, name in (("own", "pods"), ("shim", "podnet"))}
+    return report(samples, leftover, plugins, version, size)
+
+
+def measure(nodes: dict[str, Containerd], rounds: int, warmup: int, bursts: int, size: int,
+            polls: int) -> dict[str, list[float]]:
+    s: dict[str, list[float]] = {f"{way}.{what}": [] for way in WAYS
+                                 for what in ("run", "stop", "remove", "pod", "burst.run",
+                                              "burst.stop", "burst.remove", "status")}
+    pods = Pods()
+
+    def rotate(i: int) -> list[str]:
+        return list(WAYS[i % 2:] + WAYS[:i % 2])
+
+    for i in range(warmup + rounds):
+        for way in rotate(i):
+            times = cycle(nodes[way].cri, pods.next(way))
+            if i >= warmup:
+                for what, ms in zip(("run", "stop", "remove"), times, strict=True):
+                    s[f"{way}.{what}"].append(ms)
+                s[f"{way}.pod"].append(sum(times))
+    with ThreadPoolExecutor(size) as pool:
+        for i in range(bursts):
+            for way in rotate(i):
+                times = burst(pool, nodes[way].cri, [pods.next(way) for _ in range(size)])
+                for what, ms in zip(("burst.run", "burst.stop", "burst.remove"), times, strict=True):
+                    s[f"{way}.{what}"].append(ms)
+    statuses: dict[str, Callable[[], bool]] = {way: nodes[way].cri.network_ready for way in WAYS}
+    for i in range(polls):
+        for way in rotate(i):
+            t0 = time.perf_counter()
+            assert statuses[way](), f"{way}: NetworkReady false"
+            s[f"{way}.status"].append((time.perf_counter() - t0) * 1000)
+    return s
+
+
+def report(s: dict[str, list[float]], leftover: dict[str, list[str]], plugins: Path, version: str,
+           size: int) -> dict[str, Any]:
+    figures = []
+
+    def row(what: str, note: str, goal_key: str = "") -> None:
+        r = ratio(s[f"shim.{what}"], s[f"own.{what}"])
+        goal = GOALS.get(goal_key)
+        figures.append(figure(f"cri.{what}", s[f"shim.{what}"], ratio=r,
+                              goal=f"goal ratio ≤ {goal:g}" if goal else "",
+                              passed=None if goal is None else r <= goal,
+                              note=f"{note}; containerd's own {statistics.median(s[f'own.{what}']):.1f} ms"))
+
+    row("run", "RunPodSandbox through the shim", "run")
+    row("stop", "StopPodSandbox", "stop")
+    row("remove", "RemovePodSandbox (containerd's second DEL)")
+    row("pod", "run + stop + remove, per pod", "pod")
+    row("burst.run", f"{size} RunPodSandbox at once", "burst")
+    row("burst.stop", f"{size} StopPodSandbox at once", "burst")
+    row("burst.remove", f"{size} RemovePodSandbox at once")
+    row("status", "one CRI Status (agent: its monitor; own: STATUS exec'd)", "status")
+    left = sum(len(v) for v in leftover.values())
+    figures.append(figure("cri.leftover_ips", [left], "count", goal="must be 0", passed=not left))
+    notes = [f"cri: containerd 2.x, two instances, pause image from tests/cri; {plugins} bridge + "
+             f"host-local + portmap (1 hostPort per pod) at cniVersion {version}; own and shim "
+             "interleaved, serial rounds then bursts"]
+    if version != "1.1.0":
+        notes.append("cri: plugins without 1.1.0: containerd's own Status runs no STATUS, so "
+                     "cri.status compares the agent's answer with nothing")
+    return result(figures, notes)
