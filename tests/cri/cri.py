@@ -53,6 +53,7 @@ class SandboxStatus:
     ip: str
     additional_ips: list[str]
     netns: str  # the network namespace's path, from the verbose info
+    pid: int  # the sandbox's (pause) process, from the verbose info
 
 
 class CRI:
@@ -95,12 +96,14 @@ class CRI:
     def status(self, sandbox: str) -> SandboxStatus:
         reply = self.call("PodSandboxStatus", encode((1, sandbox), (2, True)))
         status, info = reply.sub(1), reply.strmap(2)
-        spec = json.loads(info.get("info", "{}")).get("runtimeSpec", {})
+        verbose = json.loads(info.get("info", "{}"))
+        spec = verbose.get("runtimeSpec", {})
         netns = next((ns.get("path", "") for ns in spec.get("linux", {}).get("namespaces", [])
                       if ns.get("type") == "network"), "")
         network = status.sub(5)
         return SandboxStatus(status.text(1), status.sub(2).text(1), status.uint(3) == SANDBOX_READY,
-                             network.text(1), [m.text(1) for m in network.subs(2)], netns)
+                             network.text(1), [m.text(1) for m in network.subs(2)], netns,
+                             int(verbose.get("pid", 0)))
 
     def sandboxes(self) -> list[str]:
         """ListPodSandbox: every sandbox's id, ready or not."""

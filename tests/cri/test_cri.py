@@ -16,6 +16,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -43,10 +44,16 @@ def dnat_rules() -> str:
     return "\n".join(line for line in out.splitlines() if "DNAT" in line)
 
 
-def test_the_oom_setting_follows_the_capability(node: Node) -> None:
-    # Said here so a reader of the config knows why it is set (module docstring).
-    config = node.containerd.config.read_text()
-    assert f"restrict_oom_score_adj = {str(not has_cap_sys_resource()).lower()}" in config
+def test_the_sandbox_gets_the_oom_score_this_node_allows(node: Node) -> None:
+    # With CAP_SYS_RESOURCE containerd gives the pause process -998; without it
+    # (restrict_oom_score_adj) no lower than its own, and the pod still runs.
+    sandbox = node.cri.run(Pod("oom"))
+    pid = node.cri.status(sandbox).pid
+    adj = int(Path(f"/proc/{pid}/oom_score_adj").read_text())
+    own = int(Path("/proc/self/oom_score_adj").read_text())
+    assert adj == (-998 if has_cap_sys_resource() else max(own, -998)), adj
+    node.cri.stop(sandbox)
+    node.cri.remove(sandbox)
 
 
 def test_network_ready_follows_the_agent(node: Node) -> None:
