@@ -37,6 +37,10 @@ EXPECTED = [
     "/etc/cni-agent/agent.yaml",
     "/usr/lib/cni/cni-agent-shim",  # where Debian's runtimes look for plugins
     "/usr/lib/python3/dist-packages/cni_agent/service/daemon.py",
+    "/usr/share/man/man8/cni-agent.8.gz",
+    "/usr/share/man/man5/cni-agent.yaml.5.gz",
+    "/usr/share/man/man5/org.cniagent.Agent1.5.gz",
+    "/usr/share/bash-completion/completions/cni-agent",
 ]
 
 
@@ -76,6 +80,10 @@ def test_files_land_where_the_policy_says(installed: list[str]) -> None:
     for path in EXPECTED:
         assert path in installed, path
         assert Path(path).exists(), path
+    # `man cni-agent` finds the installed page (and each other page by name).
+    for page, section in (("cni-agent", "8"), ("cni-agent.yaml", "5"), ("org.cniagent.Agent1", "5")):
+        found = _run("man", "-w", section, page)
+        assert found.returncode == 0 and found.stdout.startswith("/usr/share/man/"), found
     conffiles = _run("dpkg-query", "-W", "-f=${Conffiles}", "cni-agent").stdout
     assert "/etc/cni-agent/agent.yaml" in conffiles
     assert Path("/var/lib/cni-agent").is_dir()  # tmpfiles.d at install

@@ -98,6 +98,19 @@ def seconds(text: str) -> float:
     return total
 
 
+def man_env(tmp_path: Path) -> dict[str, str]:
+    """An environment whose `man` finds our pages, built from docs/man/: verify
+    runs `man` for each Documentation=man:… and fails when one is missing."""
+    built = tmp_path / "built"
+    subprocess.run(["/usr/bin/python3", str(ROOT / "tools" / "build-man"), str(built)],
+                   check=True)
+    for page in built.iterdir():
+        section = tmp_path / "man" / f"man{page.suffix[1:]}"
+        section.mkdir(parents=True, exist_ok=True)
+        shutil.copy(page, section / page.name)
+    return {**os.environ, "MANPATH": f"{tmp_path / 'man'}:"}
+
+
 def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
     need("systemd-analyze")
     # `verify` fails when ExecStart's binary does not exist, and /usr/bin/cni-agent
@@ -111,7 +124,7 @@ def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
     copy = tmp_path / "cni-agent.service"
     copy.write_text(text.replace("ExecStart=/usr/bin/cni-agent ", f"ExecStart={binary} "))
     proc = subprocess.run(["systemd-analyze", "verify", str(copy)],
-                          capture_output=True, text=True, cwd=tmp_path)
+                          capture_output=True, text=True, cwd=tmp_path, env=man_env(tmp_path))
     # Unknown keys and bad values are only warnings (exit 0): no output at all.
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout + proc.stderr == ""
@@ -125,7 +138,7 @@ def test_sandbox_template_passes_systemd_analyze_verify(tmp_path: Path) -> None:
         (tmp_path / name).write_text(unit.read_text().replace("/usr/bin/cni-agent ", f"{binary} "))
     proc = subprocess.run(["systemd-analyze", "verify", "cni-sandbox@web.service"],
                           capture_output=True, text=True, cwd=tmp_path,
-                          env={**os.environ, "SYSTEMD_UNIT_PATH": f"{tmp_path}:"})
+                          env={**man_env(tmp_path), "SYSTEMD_UNIT_PATH": f"{tmp_path}:"})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout + proc.stderr == ""
 
@@ -178,6 +191,17 @@ MOUNT_NAMESPACE_OPTIONS = (
     "NoExecPaths", "BindPaths", "BindReadOnlyPaths", "TemporaryFileSystem", "RootDirectory",
     "RootImage", "MountAPIVFS", "DynamicUser", "NetworkNamespacePath",
 )
+
+
+def test_units_point_at_the_man_pages() -> None:
+    docs = [w for v in values(unit_entries(UNIT), "Unit", "Documentation") for w in v.split()]
+    assert docs[:3] == ["man:cni-agent(8)", "man:cni-agent.yaml(5)", "man:org.cniagent.Agent1(5)"]
+    sandbox = unit_entries(UNIT.parent / "cni-sandbox@.service")
+    assert "man:cni-agent(8)" in words(sandbox, "Unit", "Documentation")
+    pages = {p.name for p in (UNIT.parents[1] / "docs" / "man").glob("*.rst")}
+    for ref in docs[:3]:
+        name, section = ref[len("man:"):].rstrip(")").split("(")
+        assert f"{name}.{section}.rst" in pages, ref
 
 
 def test_unit_hardening_keeps_network_namespaces_working() -> None:

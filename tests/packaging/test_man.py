@@ -1,0 +1,136 @@
+"""The man pages build without a warning, render without one, and name
+everything there is: every CLI command and option, config key and D-Bus member.
+
+Built with the distribution's docutils (tools/build-man), as the packages do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import subprocess
+import xml.etree.ElementTree as ET
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cni_agent.api import ErrorKind
+from cni_agent.cli.commands import build_parser
+from cni_agent.config import AgentConfig
+
+REPO = Path(__file__).resolve().parents[2]
+MAN = REPO / "docs" / "man"
+PAGES = ("cni-agent.8", "cni-agent.yaml.5", "org.cniagent.Agent1.5")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("man")
+    run = subprocess.run(["/usr/bin/python3", str(REPO / "tools" / "build-man"), str(out)],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    return out
+
+
+def source(page: str) -> str:
+    return (MAN / f"{page}.rst").read_text()
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_each_page_renders_without_a_warning(built: Path, page: str) -> None:
+    out = subprocess.run(["man", "--warnings", "-l", str(built / page)], capture_output=True,
+                         text=True, env={**os.environ, "MANWIDTH": "80", "LC_ALL": "C.UTF-8"})
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    name = page.rsplit(".", 1)[0]
+    assert out.stdout.startswith(f"{name.upper()}({page.rsplit('.', 1)[1]})"), out.stdout[:80]
+
+
+def commands(parser: argparse.ArgumentParser, prefix: str = "") -> Iterator[
+        tuple[str, argparse.ArgumentParser]]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield f"{prefix}{name}", sub
+                yield from commands(sub, f"{prefix}{name} ")
+
+
+def test_cni_agent_8_names_every_command_and_option() -> None:
+    text = source("cni-agent.8")
+    for name, sub in commands(build_parser()):
+        assert f"**{name}**" in text, f"command {name!r} is not in cni-agent(8)"
+        for action in sub._actions:
+            for flag in action.option_strings:
+                if flag.startswith("--") and flag != "--help":
+                    assert f"**{flag}**" in text, f"{name} {flag} is not in cni-agent(8)"
+
+
+def config_keys(cls: type, prefix: str = "") -> Iterator[str]:
+    for f in dataclasses.fields(cls):
+        if f.name == "source":
+            continue  # where it was read from, not a key
+        key = "del" if f.name == "delete" else f.name  # `del` is a Python keyword
+        if dataclasses.is_dataclass(f.default_factory if f.default_factory is not
+                                    dataclasses.MISSING else None):
+            yield from config_keys(f.default_factory, f"{prefix}{key}.")  # type: ignore[arg-type]
+        else:
+            yield prefix + key
+
+
+def test_cni_agent_yaml_5_names_every_key() -> None:
+    text = source("cni-agent.yaml.5")
+    keys = list(config_keys(AgentConfig))
+    assert "timeouts.del" in keys and "gc.interval" in keys
+    missing = [k for k in keys if f"``{k}``" not in text]
+    assert not missing, f"keys not in cni-agent.yaml(5): {missing}"
+
+
+def test_org_cniagent_agent1_5_names_every_member_and_error() -> None:
+    text = source("org.cniagent.Agent1.5")
+    iface = ET.parse(REPO / "dbus" / "org.cniagent.Agent1.xml").getroot().find("interface")
+    assert iface is not None
+    for kind in ("method", "property", "signal"):
+        for el in iface.iter(kind):
+            assert re.search(rf"^\*\*{el.get('name')}\*\* \(", text, re.M), \
+                f"{kind} {el.get('name')} is not in org.cniagent.Agent1(5)"
+    for kind in ErrorKind:
+        assert f"**{kind.value}**" in text, f"error {kind.value} is not in org.cniagent.Agent1(5)"
+
+
+COMPLETION = REPO / "packaging" / "completion" / "cni-agent"
+BASH_COMPLETION = Path("/usr/share/bash-completion/bash_completion")
+
+
+def test_the_bash_completion_knows_every_command_and_option() -> None:
+    text = COMPLETION.read_text()
+    words = set(re.findall(r"[\w-]+", text))
+    for name, sub in commands(build_parser()):
+        assert name.split()[-1] in words, f"command {name!r} is not completed"
+        for action in sub._actions:
+            for flag in action.option_strings:
+                if flag.startswith("--"):
+                    assert flag in words, f"{name} {flag} is not completed"
+
+
+def complete(*words: str) -> list[str]:
+    """What bash completes for `words` (the last one being typed), with the real
+    bash-completion library loaded, as an interactive shell has it."""
+    script = (f"source {BASH_COMPLETION}; source {COMPLETION}; "
+              'COMP_WORDS=("$@"); COMP_CWORD=$((${#COMP_WORDS[@]} - 1)); '
+              'COMP_LINE="$*"; COMP_POINT=${#COMP_LINE}; _cni_agent; '
+              'printf "%s\\n" "${COMPREPLY[@]}"')
+    out = subprocess.run(["bash", "-c", script, "bash", *words], capture_output=True,
+                         text=True, check=True)
+    return out.stdout.split()
+
+
+def test_the_bash_completion_completes_in_a_real_bash() -> None:
+    assert complete("cni-agent", "se") == ["setup"]
+    assert "shim-config" in complete("cni-agent", "")
+    assert complete("cni-agent", "setup", "--ne") == ["--network"]
+    assert complete("cni-agent", "--bus", "session", "st") == ["status"]
+    assert complete("cni-agent", "sandbox", "") == ["up", "down", "--help"]
+    assert complete("cni-agent", "shim-config", "--runtime", "c") == ["containerd", "crio"]
+    assert complete("cni-agent", "sandbox", "up", "web", "--d") == ["--dir"]
