@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: all setup system venv shim test test-systemd lint unit-py313 run deb rpm-spec-check bench bench-smoke soak clean
+.PHONY: all setup system venv shim test test-systemd lint unit-py313 run run-system deb rpm-spec-check bench bench-smoke soak clean
 
 all: setup
 
@@ -82,8 +82,19 @@ rpm-spec-check: system
 	tools/check-rpm-spec
 
 # The agent on a private bus with the built-in default network; Ctrl-C cleans up.
-run: setup
+# Only what running needs: no test toolchain (podman, debootstrap, rpm,
+# debhelper, promtool, containerd), no test libraries in the venv.
+RUN_STAMP := $(VENV)/.run-stamp
+run: $(RUN_STAMP)
 	@$(PY) tools/dev-run
+
+run-system:
+	@tools/setup-system --run
+
+$(RUN_STAMP): pyproject.toml | run-system
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@test -f $(STAMP) -a $(STAMP) -nt pyproject.toml || $(PY) -m pip install -q -e .
+	@touch $@
 
 clean:
 	rm -rf $(VENV) $(VENV313) build dist out agent/*.egg-info .mypy_cache .ruff_cache .pytest_cache
