@@ -195,7 +195,7 @@ def test_operation_failures_exit_1_with_one_line(
     control.set("ADD", "fail", code=7, msg="bad subnet", details="10.0.0.0/33")
     assert failed(cli(agent, "setup", "pf", netns)) == (
         "cni-agent: plugin failed: plugin testplug ADD failed (code 7): bad subnet: 10.0.0.0/33\n")
-    # The bus policy refuses an unprivileged caller; reading is allowed.
+    # The daemon refuses an unprivileged caller (no polkit here); reading is allowed.
     err = failed(cli(agent, "setup", "s2", netns, user="nobody"))
     assert err.startswith("cni-agent: access denied: ") and "cni-agent group" in err
     assert json.loads(ok(cli(agent, "status", "--json", user="nobody")))["network_ready"] is True

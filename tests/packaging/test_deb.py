@@ -41,6 +41,8 @@ EXPECTED = [
     "/usr/share/man/man5/cni-agent.yaml.5.gz",
     "/usr/share/man/man5/org.cniagent.Agent1.5.gz",
     "/usr/share/bash-completion/completions/cni-agent",
+    "/usr/share/polkit-1/actions/org.cniagent.Agent1.policy",
+    "/usr/share/polkit-1/rules.d/50-org.cniagent.Agent1.rules",
 ]
 
 

@@ -1,7 +1,8 @@
-"""Who may call: root, or a member of `access.groups` — checked in the daemon.
+"""Who may call: root, a member of `access.groups`, or whom polkit authorizes.
 
-The bus policy says the same, but a node agent must not rely on a policy file
-it does not control (a permissive bus, a custom dbus-daemon config).
+Checked here, in the daemon: the bus policy lets every caller reach the
+interface, and a node agent must not rely on a policy file it does not
+control anyway (a permissive bus, a custom dbus-daemon config).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 from dbus_fast import Message, MessageType
 
 from cni_agent.api import AgentError, ErrorKind
+from cni_agent.service.polkit import Polkit, action_for
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +35,9 @@ def resolve_groups(names: Sequence[str]) -> frozenset[int]:
 
 
 class Authorizer:
-    def __init__(self, bus: Any, groups: Sequence[str]) -> None:
+    def __init__(self, bus: Any, groups: Sequence[str], polkit: Polkit | None = None) -> None:
         self.bus = bus
+        self.polkit = polkit
         self.group_names = tuple(groups)
         self.gids = resolve_groups(groups)
         # Unique bus names are never reused, so caching per sender is safe.
@@ -72,13 +75,25 @@ class Authorizer:
         uid, gids = await self._credentials(sender)
         return uid, uid == 0 or bool(gids & self.gids)
 
-    async def require(self, sender: str | None, what: str) -> int:
-        """The uid of a caller that may call mutating methods; else AccessDenied."""
+    async def require(self, sender: str | None, what: str, interactive: bool = False) -> int:
+        """The uid of a caller that may call method `what`; else AccessDenied.
+
+        Root and members without asking anyone; any other caller if polkit
+        authorizes it (`interactive`: the call allows an authentication
+        dialog). Either way a caller that is not root then reaches only the
+        namespaces it opened and the sandboxes it set up.
+        """
         uid, privileged = await self.identify(sender, what)
         if privileged:
             return uid
+        why = ""
+        if self.polkit is not None and sender is not None:
+            authorized, why = await self.polkit.check(sender, action_for(what), interactive)
+            if authorized:
+                return uid
         groups = " or ".join(self.group_names) or "(none configured)"
         raise AgentError(
             ErrorKind.ACCESS_DENIED,
-            f"{what} requires root or membership in group {groups} (caller uid {uid})",
+            f"{what} requires root or membership in the {groups} group (caller uid {uid})"
+            + (f"; {why}" if why else ""),
         )

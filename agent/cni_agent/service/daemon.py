@@ -30,6 +30,7 @@ from cni_agent.service.dbus_service import AgentInterface
 from cni_agent.service.httpd import HealthServer, ListenError
 from cni_agent.service.logs import setup_logging
 from cni_agent.service.notify import Notifier
+from cni_agent.service.polkit import Polkit
 from cni_agent.service.wiring import build_core, instance_of
 
 log = logging.getLogger(__name__)
@@ -147,7 +148,7 @@ class Daemon:
 
     async def _serve(self, loop: asyncio.AbstractEventLoop, bus: MessageBus) -> int:
         self.iface = AgentInterface(self.manager, self.monitor, self.pod_cidrs,
-                                    Authorizer(bus, self.cfg.access.groups), self.reload,
+                                    Authorizer(bus, self.cfg.access.groups, Polkit(bus)), self.reload,
                                     shim=self.core.shim, on_operation=self.core.metrics.operation)
         bus.add_message_handler(self.iface.message_handler)
         bus.export(OBJECT_PATH, self.iface)

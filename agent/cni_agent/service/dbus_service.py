@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextvars import ContextVar
 from typing import Any, TypeVar
 
-from dbus_fast import Message, MessageType, Variant
+from dbus_fast import Message, MessageFlag, MessageType, Variant
 from dbus_fast.constants import PropertyAccess
 from dbus_fast.errors import DBusError
 from dbus_fast.service import ServiceInterface, dbus_property, method
@@ -218,6 +218,7 @@ class AgentInterface(ServiceInterface):
         # The descriptors a call carried: ours to close once it is answered.
         self._fds: ContextVar[tuple[int, ...]] = ContextVar("cni_agent_fds", default=())
         self._uid: ContextVar[int] = ContextVar("cni_agent_uid", default=-1)
+        self._interactive: ContextVar[bool] = ContextVar("cni_agent_interactive", default=False)
         self._waits: dict[str, int] = {}  # sender → WaitReady calls in flight (unprivileged)
         self._shown = monitor.state
 
@@ -233,6 +234,7 @@ class AgentInterface(ServiceInterface):
             return None
         self._caller.set(msg.sender)
         self._fds.set(tuple(fd for fd in msg.unix_fds if isinstance(fd, int)))
+        self._interactive.set(bool(msg.flags & MessageFlag.ALLOW_INTERACTIVE_AUTHORIZATION))
         if msg.interface in (INTERFACE, None) and msg.member in SIGNATURES:
             expected = SIGNATURES[msg.member]
             if (msg.signature or "") != expected:
@@ -249,7 +251,8 @@ class AgentInterface(ServiceInterface):
         with self.in_flight:
             try:
                 if mutating:
-                    self._uid.set(await self.authorizer.require(self._caller.get(), name))
+                    self._uid.set(await self.authorizer.require(
+                        self._caller.get(), name, self._interactive.get()))
                 value = await work()
                 result = "ok"
                 return value

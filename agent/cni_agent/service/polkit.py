@@ -1,0 +1,72 @@
+"""polkit: the delegation Fedora's privileged D-Bus services offer admins.
+
+Asked only for callers that are neither root nor in `access.groups` (those
+keep the fast path), over the bus and never blocking the loop. Without a
+polkitd on the bus the answer is "no", as before polkit was asked at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from dbus_fast import Message, MessageType, Variant
+
+log = logging.getLogger(__name__)
+
+NAME = "org.freedesktop.PolicyKit1"
+PATH = "/org/freedesktop/PolicyKit1/Authority"
+INTERFACE = "org.freedesktop.PolicyKit1.Authority"
+
+INSPECT = "org.cniagent.Agent1.inspect"
+MANAGE = "org.cniagent.Agent1.manage"
+# The methods `inspect` covers; every other method that needs privilege is `manage`.
+INSPECTING = frozenset({"Show", "ListSandboxes", "Check"})
+
+_ALLOW_USER_INTERACTION = 0x1
+# A person typing a password may take a while; a non-interactive answer is quick.
+_INTERACTIVE_TIMEOUT = 120.0
+_TIMEOUT = 25.0
+_ABSENT = {"org.freedesktop.DBus.Error.ServiceUnknown",
+           "org.freedesktop.DBus.Error.NameHasNoOwner"}
+
+
+def action_for(method: str) -> str:
+    return INSPECT if method in INSPECTING else MANAGE
+
+
+class Polkit:
+    def __init__(self, bus: Any) -> None:
+        self.bus = bus
+
+    async def check(self, sender: str, action: str, interactive: bool) -> tuple[bool, str]:
+        """Whether polkit authorizes `sender` for `action`, and if not, why."""
+        msg = Message(
+            destination=NAME, path=PATH, interface=INTERFACE, member="CheckAuthorization",
+            signature="(sa{sv})sa{ss}us",
+            body=[["system-bus-name", {"name": Variant("s", sender)}], action, {},
+                  _ALLOW_USER_INTERACTION if interactive else 0, ""],
+        )
+        try:
+            async with asyncio.timeout(_INTERACTIVE_TIMEOUT if interactive else _TIMEOUT):
+                reply = await self.bus.call(msg)
+        except TimeoutError:
+            log.warning("polkit did not answer for %s (%s)", sender, action)
+            return False, "polkit did not answer in time"
+        if reply is None:
+            return False, "polkit did not answer"
+        if reply.message_type is MessageType.ERROR:
+            if reply.error_name in _ABSENT:
+                return False, ""  # no polkit on this bus: today's rules alone
+            log.warning("polkit refused to check %s for %s: %s %s", action, sender,
+                        reply.error_name, reply.body)
+            return False, f"polkit failed: {reply.error_name}"
+        authorized, challenge, _details = reply.body[0]
+        if authorized:
+            return True, ""
+        if challenge:
+            return False, (f"polkit action {action} needs authentication; call with the "
+                           "ALLOW_INTERACTIVE_AUTHORIZATION flag (busctl "
+                           "--allow-interactive-authorization=yes) or ask an admin for a rule")
+        return False, f"polkit does not authorize {action}"
