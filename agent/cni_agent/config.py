@@ -59,6 +59,18 @@ class GCConfig:
 
 
 @dataclass(frozen=True)
+class CheckConfig:
+    # Seconds between CHECK passes over every ready attachment (with ±10%
+    # jitter); 0 turns off all CHECKs the agent runs unasked (scheduled, after
+    # a firewalld reload, the baseline right after ADD).
+    interval: float = 300.0
+    # Re-create a drifted attachment (DEL, then ADD asking for its IPs and MAC).
+    repair: bool = False
+    # Sandboxes CHECKed at once in a pass.
+    concurrency: int = 4
+
+
+@dataclass(frozen=True)
 class HTTPConfig:
     # "" (off), HOST:PORT or unix:/PATH: /healthz, /readyz and /metrics.
     listen: str = ""
@@ -91,6 +103,7 @@ class AgentConfig:
     shutdown_drain: float = 10.0
     access: AccessConfig = field(default_factory=AccessConfig)
     gc: GCConfig = field(default_factory=GCConfig)
+    check: CheckConfig = field(default_factory=CheckConfig)
     http: HTTPConfig = field(default_factory=HTTPConfig)
     bus: str = "system"
     log_level: str = "info"
@@ -158,6 +171,12 @@ def _listen(source: str, key: str, value: Any) -> str:
     return text
 
 
+def _positive_int(source: str, key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _fail(source, key, f"must be a whole number of at least 1, not {value!r}")
+    return value
+
+
 def _log_level(source: str, key: str, value: Any) -> str:
     text = _string(source, key, value).lower()
     if text not in LOG_LEVELS:
@@ -183,6 +202,8 @@ _SECTIONS: dict[str, tuple[type[Any], Mapping[str, Any]]] = {
                                   for f in dataclasses.fields(TimeoutsConfig)}),
     "access": (AccessConfig, {"groups": _str_list}),
     "gc": (GCConfig, {"networks": _str_list, "interval": _duration}),
+    "check": (CheckConfig, {"interval": _duration, "repair": _bool,
+                            "concurrency": _positive_int}),
     "http": (HTTPConfig, {"listen": _listen}),
 }
 

@@ -43,6 +43,13 @@ def _record(tmp_path: Path, sid: str) -> Path:
     return tmp_path / "state" / "sandboxes" / f"{sid}.json"
 
 
+def _checked(agent: Agent, sid: str) -> None:
+    """Wait for the baseline CHECK after Setup, which writes the record: a test
+    that edits the record (an older agent's) must not race it."""
+    wait_for(lambda: all(a["check"]["state"] != "unchecked" for a in
+                         json.loads(agent.call("Show", "s", sid)[0])["attachments"]), timeout=5)
+
+
 def _start(make_agent: Callable[..., Agent], env: dict[str, str] | None = None,
            **config: Any) -> Agent:
     agent = make_agent(start=False, **config)
@@ -112,6 +119,7 @@ def test_a_damaged_record_is_set_aside_and_teardown_works_from_the_cache(
 ) -> None:
     agent = _start(make_agent)
     agent.setup("pod", netns)
+    _checked(agent, "pod")
     record = _record(tmp_path, "pod")
     doc = json.loads(record.read_text())
     damaged = {
@@ -143,6 +151,7 @@ def test_a_damaged_record_of_a_dead_namespace_is_reaped_at_start_up(
 ) -> None:
     agent = _start(make_agent)
     agent.setup("pod", netns)
+    _checked(agent, "pod")
     assert agent.stop() == 0
     _record(tmp_path, "pod").write_bytes(b"")  # the power loss...
     subprocess.run(["ip", "netns", "del", _name(netns)], check=True)  # ...took the namespace
@@ -187,6 +196,7 @@ def test_without_ns_get_id_renaming_eth0_and_its_mac_keeps_the_pods_ip(
 ) -> None:
     agent = _start(make_agent, env=NO_NS_GET_ID, gc={"interval": 1})
     agent.setup("pod", netns)
+    _checked(agent, "pod")
     record = _record(tmp_path, "pod")
     doc = json.loads(record.read_text())
     # What a kernel without NS_GET_ID records (also where the seam is unknown).
@@ -213,6 +223,7 @@ def test_an_old_inode_only_record_earns_the_kernels_id_once_confirmed(
 ) -> None:
     agent = _start(make_agent)
     agent.setup("pod", netns)
+    _checked(agent, "pod")
     record = _record(tmp_path, "pod")
     doc = json.loads(record.read_text())
     if doc["netnsId"]["nsId"] is None:
@@ -235,6 +246,7 @@ def test_an_old_record_whose_links_changed_is_neither_reaped_nor_entered(
 ) -> None:
     agent = _start(make_agent)
     agent.setup("pod", netns)
+    _checked(agent, "pod")
     record = _record(tmp_path, "pod")
     doc = json.loads(record.read_text())
     st = os.stat(netns)

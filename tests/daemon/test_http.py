@@ -48,7 +48,8 @@ def http_agent(make_agent: Callable[..., Agent], testnet: Callable[..., Path],
                tmp_path: Path) -> tuple[Agent, Path]:
     testnet()
     sock = tmp_path / "metrics.sock"
-    return make_agent(http={"listen": f"unix:{sock}"}), sock
+    # No baseline CHECKs: the metrics must move by the test's operations alone.
+    return make_agent(http={"listen": f"unix:{sock}"}, check={"interval": 0}), sock
 
 
 def test_probes_follow_readiness(http_agent: tuple[Agent, Path], control: Control) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -96,3 +97,21 @@ def test_http_listen_is_off_by_default_and_takes_tcp_or_unix(tmp_path: Path) -> 
 def test_a_bad_http_listen_names_the_key(tmp_path: Path, bad: str) -> None:
     with pytest.raises(ConfigFileError, match=r"http\.listen: '"):
         _load(tmp_path, f"http: {{listen: '{bad}'}}\n")
+
+
+def test_check_section_defaults_and_keys(tmp_path: Path) -> None:
+    c = AgentConfig().check
+    assert (c.interval, c.repair, c.concurrency) == (300, False, 4)
+    c = _load(tmp_path, "check: {interval: 0, repair: true, concurrency: 16}\n").check
+    assert (c.interval, c.repair, c.concurrency) == (0, True, 16)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("check: {intervall: 3}", "check.intervall: unknown key"),
+    ("check: {interval: -1}", "check.interval: must be a non-negative number"),
+    ("check: {repair: yes please}", "check.repair: must be true or false"),
+    ("check: {concurrency: 0}", "check.concurrency: must be a whole number of at least 1"),
+])
+def test_a_bad_check_key_is_named(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ConfigFileError, match=re.escape(message)):
+        _load(tmp_path, text + "\n")

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from cni_agent.api import AgentError, ErrorKind
-from cni_agent.config import AgentConfig, GCConfig, MonitorConfig, TimeoutsConfig
+from cni_agent.config import AgentConfig, CheckConfig, GCConfig, MonitorConfig, TimeoutsConfig
 from cni_agent.node.netns import check_netns, netns_identity
 from cni_agent.sandboxes.manager import NetworkRequest, SetupRequest
 from cni_agent.sandboxes.records import Attachment, Phase, SandboxRecord
@@ -41,6 +41,9 @@ class Node:
             runtime_dir=str(tmp / "run"),
             monitor=MonitorConfig(startup_interval=0.01, interval=0.05),
             timeouts=TimeoutsConfig(lock=2, ready=5), gc=GCConfig(("*",)),
+            # No baseline CHECK after each Setup: these tests count plugin calls
+            # and open namespaces (the CHECKs have their own tests, test_drift).
+            check=CheckConfig(interval=0),
         ).replace(**overrides)
         self.core: Core = build_core(self.cfg, self.fake)
         self.recovery: asyncio.Task[Any] | None = None
@@ -344,7 +347,10 @@ async def test_result_document_and_show_agree(node: Node, netns_factory: Callabl
     await node.start()
     doc = await node.setup("s1", netns_factory(), ("n2", "eth0"), ("n1", "net1"))
     assert [a["network"] for a in doc["attachments"]] == ["n2", "n1"]
-    assert await node.manager.show("s1") == doc
+    shown = await node.manager.show("s1")
+    # Show adds each attachment's check state (drift.py) to Setup's document.
+    assert [a.pop("check")["state"] for a in shown["attachments"]] == ["unchecked", "unchecked"]
+    assert shown == doc
     assert json.loads(json.dumps(doc)) == doc
 
 

@@ -119,6 +119,10 @@ class SandboxLocks:
         """Ids currently held by this process (diagnostics and tests)."""
         return sorted(self._held)
 
+    def busy(self, sandbox_id: str) -> bool:
+        """Whether someone in this process holds or waits for the id's lock."""
+        return sandbox_id in self._queues
+
     def hold(self, sandbox_id: str, timeout: float,
              deadline: float | None = None) -> AbstractAsyncContextManager[None]:
         """Hold the lock of `sandbox_id`; LockTimeout if not acquired within `timeout`

@@ -101,7 +101,9 @@ class Attachments:
     async def attach(self, req: AttachRequest) -> dict[str, Any]:
         with log_fields(SANDBOX_ID=req.sandbox_id, IFNAME=req.ifname):
             with classified():
-                return await self._attach(req)
+                doc = await self._attach(req)
+        self.m.on_set_up(req.sandbox_id)
+        return doc
 
     async def _attach(self, req: AttachRequest) -> dict[str, Any]:
         m = self.m

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from cni_agent.cni.cache import CachedAttachment
@@ -33,9 +33,13 @@ from cni_agent.node.blocking import UNANSWERED
 from cni_agent.node.locks import LockTimeout, NetworkLocks, SandboxLocks
 from cni_agent.node.netns import Pinned
 from cni_agent.sandboxes.journal import Journal, Unconfirmed
+from cni_agent.sandboxes.order import Kind, Sequencer
 from cni_agent.sandboxes.records import Phase, SandboxRecord
 
 log = logging.getLogger(__name__)
+# Seconds a reaping waits for a scheduled CHECK to yield the lock (it stops at
+# once; its plugin is killed and reaped).
+YIELD_WAIT = 2.0
 
 
 @dataclass
@@ -75,8 +79,12 @@ class Reaper:
         retry_delay: float = 30.0,
         interval: float = 0.0,
         on_report: Callable[[GCReport], None] = lambda report: None,
+        order: Sequencer | None = None,
     ) -> None:
         self.journal = journal
+        # The requests' order: reaping arrives in it, so a scheduled CHECK
+        # holding a sandbox's lock yields instead of making it look busy.
+        self.order = order or Sequencer()
         self.locks = locks
         self.netlocks = netlocks
         self._networks = networks
@@ -159,10 +167,19 @@ class Reaper:
         self._on_report(report)
         return report
 
+    @contextlib.asynccontextmanager
+    async def _hold(self, sid: str, wait: float) -> AsyncIterator[None]:
+        """The sandbox's lock within `wait`; a scheduled CHECK holding it yields."""
+        with self.order.arrive(sid, Kind.OTHER):
+            if self.order.yielding(sid):
+                wait = max(wait, YIELD_WAIT)
+            async with self.locks.hold(sid, wait):
+                yield
+
     async def _release(self, sid: str, origin: str, valid: Collection[tuple[str, str]],
                        report: GCReport) -> None:
         try:
-            async with self.locks.hold(sid, 0):
+            async with self._hold(sid, 0):
                 with log_fields(SANDBOX_ID=sid):
                     rec, entries = await self.journal.view(sid)
                     doomed = _released(rec, origin, valid) if rec is not None else set()
@@ -240,7 +257,7 @@ class Reaper:
     async def _reap(self, sid: str, valid_ids: Collection[str] | None, report: GCReport,
                     wait: float) -> None:
         try:
-            async with self.locks.hold(sid, wait):
+            async with self._hold(sid, wait):
                 with log_fields(SANDBOX_ID=sid):
                     rec, entries = await self.journal.view(sid)
                     async with self.journal.live_netns(rec, entries) as ns:

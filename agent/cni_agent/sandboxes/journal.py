@@ -212,12 +212,14 @@ class Journal:
         return begun
 
     async def add(self, rec: SandboxRecord, att: Attachment, net: NetworkConfigList,
-                  ns: Pinned, commit: Collection[str] = ()) -> dict[str, Any]:
+                  ns: Pinned, commit: Collection[str] = (),
+                  capabilities: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The ADD chain of one begun attachment, in the pinned namespace; the
         runtime caches its result (with the caller's path). `commit`: these
         attachments (the last one added, and those before it) become ready
         right after that cache write, in the same worker call (no hop of its own)."""
-        rt = _conf(rec.sandbox_id, att, ns)
+        rt = _conf(rec.sandbox_id, att if capabilities is None
+                   else replace(att, capabilities=capabilities), ns)
         then = (lambda: self.store.write(rec.with_phase(Phase.READY, commit))) if commit else None
         with log_fields(NETWORK=net.name, IFNAME=att.ifname):
             async with self.netlocks.use(net.name, self.lock_timeout):
@@ -225,12 +227,49 @@ class Journal:
             log.info("sandbox %s: %s/%s added", rec.sandbox_id, net.name, att.ifname)
         return result
 
-    async def check(self, att: Attachment, entry: CachedAttachment, ns: Pinned) -> None:
-        """CHECK with the config, args and capabilities the ADD used, and its cached result."""
+    async def check(self, att: Attachment, entry: CachedAttachment, ns: Pinned) -> bool:
+        """CHECK with the config, args and capabilities the ADD used, and its cached
+        result; False when the network's list does not allow CHECK."""
         net = self._config_for(att, entry)
         rt = _conf(entry.container_id, att, ns)
         with log_fields(NETWORK=att.network, IFNAME=att.ifname):
-            await self.runtime.check(net, rt, prev_result=_as_plugin_sees(entry.result, ns))
+            return await self.runtime.check(net, rt, prev_result=_as_plugin_sees(entry.result, ns))
+
+    async def recreate(self, rec: SandboxRecord, att: Attachment, entry: CachedAttachment,
+                       ns: Pinned, capabilities: Mapping[str, Any]
+                       ) -> tuple[SandboxRecord, dict[str, Any]]:
+        """DEL, then ADD again, one ready attachment (a drift repair), in its place
+        in the record, with its recorded config and args and `capabilities`.
+
+        Each step goes through the write-ahead record, so a crash anywhere
+        leaves nothing a restart does not finish or undo. CNIError when the DEL
+        fails (the attachment stays, "deleting", for the next reaping pass) or
+        the ADD does (rolled back: the attachment is gone)."""
+        net = self._config_for(att, entry)
+        index = rec.attachments.index(att)
+        left, errors = await self.remove(rec, [att.ifname], ns, {(att.network, att.ifname): entry})
+        if errors:
+            raise CNIError(f"DEL before the new ADD failed: {errors[0]}")
+        others = list(left.attachments) if left else []
+        # The record keeps the caller's capabilities (a runtime's repeat ADD is
+        # compared with them); only this ADD asks for the same IPs and MAC.
+        new = replace(att, phase=Phase.ADDING, check=None)
+        begun = (left or rec).with_attachments([*others[:index], new, *others[index:]])
+        await self._save(begun)
+        try:
+            result = await self.add(begun, new, net, ns, commit=[att.ifname],
+                                    capabilities=capabilities)
+        except CNIError:
+            await self.remove(begun, [att.ifname], ns)
+            raise
+        return begun.with_phase(Phase.READY, [att.ifname]), result
+
+    async def save(self, rec: SandboxRecord) -> None:
+        """Write `rec` durably (the caller holds the sandbox's lock)."""
+        await self._save(rec)
+
+    def config_for(self, att: Attachment, entry: CachedAttachment | None) -> NetworkConfigList:
+        return self._config_for(att, entry)
 
     # --- removing ---------------------------------------------------------------
 

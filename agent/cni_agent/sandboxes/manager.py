@@ -14,9 +14,10 @@ import asyncio
 import hashlib
 import json
 import logging
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from cni_agent.api import AgentError, ErrorKind
@@ -37,10 +38,11 @@ from cni_agent.node.netns import NetnsError, NetnsId, Pinned
 from cni_agent.readiness.monitor import Monitor
 from cni_agent.readiness.podcidrs import PodCIDRs
 from cni_agent.sandboxes import owners
+from cni_agent.sandboxes.checks import Checks
 from cni_agent.sandboxes.errors import classified, classify
 from cni_agent.sandboxes.gc import Reaper
 from cni_agent.sandboxes.journal import Journal, is_recorded
-from cni_agent.sandboxes.order import Kind, Sequencer, Ticket
+from cni_agent.sandboxes.order import Kind, Ticket
 from cni_agent.sandboxes.owners import ROOT, callers_netns
 from cni_agent.sandboxes.records import Attachment, Phase, SandboxRecord
 
@@ -111,17 +113,22 @@ class SandboxManager:
         reaper: Reaper,
         pod_cidrs: PodCIDRs,
         timeouts: Timeouts | None = None,
+        checks: Checks | None = None,
     ) -> None:
         self.journal = journal
+        self.checks = checks or Checks(journal)
         self.monitor = monitor
         self.locks = locks
         self.reaper = reaper
         self.pod_cidrs = pod_cidrs
         self.timeouts = timeouts or Timeouts()
-        self.order = Sequencer()
+        self.order = reaper.order  # one order per sandbox, reaping included
         # Set by the daemon's shutdown: False once the drain period is over.
         self.accepting = True
         self.draining = False
+        # Called with a sandbox's id once a Setup or Attach of it succeeded and
+        # its lock is free again (drift.py: the baseline CHECK).
+        self.on_set_up: Callable[[str], None] = lambda sandbox_id: None
 
     # --- shared steps -----------------------------------------------------------
 
@@ -225,7 +232,9 @@ class SandboxManager:
         self.validate(req)
         # Opened once, here, and only used through this handle from now on.
         async with callers_netns(self.journal.paths, req.netns, req.netns_fd, req.caller) as ns:
-            return await self._setup_in(req, ns)
+            doc = await self._setup_in(req, ns)
+        self.on_set_up(req.sandbox_id)
+        return doc
 
     async def _setup_in(self, req: SetupRequest, ns: Pinned) -> dict[str, Any]:
         with self.order.arrive(req.sandbox_id, Kind.ADD) as ticket:
@@ -387,18 +396,28 @@ class SandboxManager:
                                      f"sandbox {sandbox_id} is set up in netns {rec.netns}, "
                                      f"not {ns.path}")
                 for a in rec.attachments:
-                    entry = entries.get((a.network, a.ifname))
-                    if entry is None:
+                    if (a.network, a.ifname) not in entries:
                         raise NoCachedResult(f"sandbox {sandbox_id}: no cached result for "
                                              f"{a.network}/{a.ifname}")
-                    await self.journal.check(a, entry, ns)
+                # The scheduled passes' path: the outcome is recorded (and judged
+                # against the baseline) whoever asked; the caller gets the first failure.
+                for outcome in await self.checks.run_locked(rec, entries, ns, repair=False):
+                    if outcome.error is not None:
+                        raise outcome.error
 
     def _document(self, rec: SandboxRecord | None,
-                  entries: Mapping[tuple[str, str], CachedAttachment]) -> dict[str, Any]:
+                  entries: Mapping[tuple[str, str], CachedAttachment],
+                  with_checks: bool = False) -> dict[str, Any]:
         order = [(a.network, a.ifname) for a in rec.attachments] if rec else []
         sid = rec.sandbox_id if rec else next(iter(entries.values())).container_id
-        return result_document(sid, list(entries.values()), order,
-                               rec.phase if rec else Phase.READY)
+        doc = result_document(sid, list(entries.values()), order,
+                              rec.phase if rec else Phase.READY)
+        if rec is not None and with_checks:  # Show's, not Setup's (a repeat returns Setup's)
+            for item in doc["attachments"]:
+                att = rec.attachment(item["ifname"])
+                if att is not None and att.network == item["network"]:
+                    item["check"] = check_document(att, self.checks.last_check(sid, att))
+        return doc
 
     async def show(self, sandbox_id: str, caller: int = ROOT) -> dict[str, Any]:
         with classified():
@@ -410,7 +429,7 @@ class SandboxManager:
             raise owners.denied(sandbox_id, caller)
         if not entries:
             raise AgentError(ErrorKind.NOT_FOUND, f"sandbox {sandbox_id} has no cached attachments")
-        doc = self._document(rec, entries)
+        doc = self._document(rec, entries, with_checks=True)
         if rec is None and (damaged := self.journal.store.damaged(sandbox_id)):
             doc["damaged_record"] = damaged
         return doc
@@ -447,6 +466,21 @@ class SandboxManager:
             raise AgentError(ErrorKind.PLUGIN_FAILED,
                              f"garbage collection finished with {len(report.errors)} error(s): "
                              + report.errors[0])
+
+
+def check_document(att: Attachment, last: float) -> dict[str, Any]:
+    """Show's "check" of an attachment: its verdict, the last CHECK's time and message."""
+    state = att.check
+    return {
+        "state": str(state.verdict) if state else "unchecked",
+        "last_check": _iso(last) if last else "",
+        "reason": state.reason if state else "",
+        "repairs": state.repairs if state else 0,
+    }
+
+
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
 def validate_removal_netns(netns: str) -> None:

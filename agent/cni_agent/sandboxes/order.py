@@ -24,6 +24,9 @@ class Kind(Enum):
     ADD = "add"
     REMOVE = "remove"
     OTHER = "other"  # Check: neither supersedes nor is superseded
+    # A scheduled CHECK (drift.py): yields to any request on its sandbox, arriving
+    # before or after it; a CHECK changes nothing, so stopping one is harmless.
+    BACKGROUND = "background"
 
 
 @dataclass(eq=False)
@@ -43,6 +46,9 @@ class Ticket:
     def start(self) -> None:
         """Called with the sandbox lock held; raises if a later removal came first."""
         if self.superseded.is_set():
+            if self.kind is Kind.BACKGROUND:
+                raise AgentError(ErrorKind.CANCELLED, f"sandbox {self.sandbox_id}: a request "
+                                                      "arrived; the scheduled CHECK yields")
             what = "Teardown" if self.kind is Kind.ADD else "removal"
             raise AgentError(
                 ErrorKind.CANCELLED,
@@ -54,6 +60,11 @@ class Ticket:
 class Sequencer:
     def __init__(self) -> None:
         self._pending: dict[str, list[Ticket]] = {}
+
+    def yielding(self, sandbox_id: str) -> bool:
+        """Whether a scheduled CHECK is queued or running on the sandbox (it yields
+        to whoever arrives next, within a plugin kill)."""
+        return any(t.kind is Kind.BACKGROUND for t in self._pending.get(sandbox_id, ()))
 
     def pending(self, sandbox_id: str) -> int:
         return len(self._pending.get(sandbox_id, ()))
@@ -67,6 +78,11 @@ class Sequencer:
             for earlier in queue:
                 if earlier.kind is Kind.ADD and not earlier.started and earlier.covers(ticket):
                     earlier.superseded.set()
+        for earlier in queue:
+            if earlier.kind is Kind.BACKGROUND:
+                earlier.superseded.set()
+        if kind is Kind.BACKGROUND and queue:
+            ticket.superseded.set()
         queue.append(ticket)
         try:
             yield ticket

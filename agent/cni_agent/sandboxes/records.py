@@ -42,6 +42,37 @@ class DamagedRecord(CacheError):
         self.reason = reason
 
 
+class CheckVerdict(StrEnum):
+    """What the last CHECK of an attachment said, measured against its baseline."""
+
+    OK = "ok"  # passed (the first pass is the baseline)
+    DRIFTED = "drifted"  # failed after it had passed: something changed it
+    UNSUPPORTED = "unsupported"  # failed and never passed: the plugin's CHECK proves nothing
+    DISABLED = "disabled"  # the network's cniVersion (< 0.4.0) or disableCheck: no CHECK
+
+
+@dataclass(frozen=True)
+class CheckState:
+    """The outcome of an attachment's CHECKs, kept in its record across restarts."""
+
+    verdict: CheckVerdict
+    at: float  # time of the last CHECK (epoch seconds)
+    reason: str = ""  # the plugin's message of the last failure
+    passed: bool = False  # has it ever passed (the baseline exists)
+    repairs: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"verdict": str(self.verdict), "at": self.at, "reason": self.reason,
+                "passed": self.passed, "repairs": self.repairs}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> CheckState | None:
+        if not isinstance(doc, Mapping):
+            return None
+        return cls(CheckVerdict(doc["verdict"]), float(doc["at"]), str(doc.get("reason", "")),
+                   bool(doc.get("passed", False)), int(doc.get("repairs", 0)))
+
+
 class Phase(StrEnum):
     ADDING = "adding"
     READY = "ready"
@@ -60,6 +91,9 @@ class Attachment:
     phase: Phase = Phase.ADDING
     # Who made it: "" for Setup, else the runtime network of a shim call (its GC scope).
     origin: str = ""
+    # Its CHECKs (drift.py); None: not checked yet. An optional key, so records
+    # without it (0.1, 0.2) load, and older agents ignore it: no version bump.
+    check: CheckState | None = None
 
     def to_json(self) -> dict[str, Any]:
         doc = {
@@ -72,6 +106,8 @@ class Attachment:
         }
         if self.origin:
             doc["origin"] = self.origin
+        if self.check is not None:
+            doc["check"] = self.check.to_json()
         return doc
 
     @classmethod
@@ -85,6 +121,7 @@ class Attachment:
             # Records of 0.1.0 had one phase for the whole sandbox.
             phase=Phase(doc.get("phase", phase)),
             origin=str(doc.get("origin", "")),
+            check=CheckState.from_json(doc.get("check")),
         )
 
 
@@ -114,6 +151,10 @@ class SandboxRecord:
 
     def with_attachments(self, attachments: Iterable[Attachment], **changes: Any) -> SandboxRecord:
         return replace(self, attachments=tuple(attachments), updated=time.time(), **changes)
+
+    def with_check(self, ifname: str, check: CheckState) -> SandboxRecord:
+        return replace(self, attachments=tuple(replace(a, check=check) if a.ifname == ifname
+                                               else a for a in self.attachments))
 
     def with_phase(self, phase: Phase, ifnames: Iterable[str] | None = None) -> SandboxRecord:
         """The record with `ifnames` (all when None) moved to `phase`."""

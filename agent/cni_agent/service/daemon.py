@@ -85,6 +85,7 @@ class Daemon:
             for err in report.errors:
                 log.warning("start-up recovery: %s", err)
         self.reaper.start_periodic()
+        self.core.drift.start()
 
     def _on_state(self, state: NetworkState) -> None:
         self.notifier.status(state.status)
@@ -149,7 +150,9 @@ class Daemon:
     async def _serve(self, loop: asyncio.AbstractEventLoop, bus: MessageBus) -> int:
         self.iface = AgentInterface(self.manager, self.monitor, self.pod_cidrs,
                                     Authorizer(bus, self.cfg.access.groups, Polkit(bus)), self.reload,
-                                    shim=self.core.shim, on_operation=self.core.metrics.operation)
+                                    shim=self.core.shim, on_operation=self.core.metrics.operation,
+                                    check_now=self.core.drift.check_now)
+        self.core.checks.subscribe(self.iface.on_check)
         bus.add_message_handler(self.iface.message_handler)
         bus.export(OBJECT_PATH, self.iface)
         # systemd first: its STATUS= line never depends on the bus being there.

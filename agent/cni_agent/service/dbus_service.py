@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from dbus_fast import Message, MessageFlag, MessageType, Variant
 from dbus_fast.constants import PropertyAccess
 from dbus_fast.errors import DBusError
-from dbus_fast.service import ServiceInterface, dbus_property, method
+from dbus_fast.service import ServiceInterface, dbus_property, method, signal
 
 from cni_agent import __version__
 from cni_agent.api import (
@@ -33,11 +33,12 @@ from cni_agent.api import (
     AgentError,
     ErrorKind,
 )
-from cni_agent.cni.args import PodMeta
+from cni_agent.cni.args import PodMeta, validate_container_id
 from cni_agent.cni.errors import InvalidArgument
 from cni_agent.readiness.monitor import Monitor, NetworkState
 from cni_agent.readiness.podcidrs import PodCIDRs
 from cni_agent.sandboxes.attach import AttachRequest
+from cni_agent.sandboxes.checks import Outcome
 from cni_agent.sandboxes.errors import classify
 from cni_agent.sandboxes.manager import DEFAULT_IFNAME, NetworkRequest, SandboxManager, SetupRequest
 from cni_agent.service.auth import Authorizer
@@ -61,7 +62,10 @@ SIGNATURES = {
     "Setup": "ssa{sv}", "Teardown": "ssa{sv}", "Check": "ssa{sv}", "Show": "s",
     "ListSandboxes": "", "WaitReady": "d", "GarbageCollect": "as", "Reload": "",
     "SetPodCIDRs": "as", "Attach": "ssssa{sv}", "Detach": "ssssa{sv}", "CNICall": "a{ss}s",
+    "CheckSandboxes": "as",
 }
+# dbus-fast gives a signal's arguments no names; the contract's XML has them.
+SIGNAL_ARGS = {"AttachmentDrifted": ("sandbox_id", "network", "ifname", "reason")}
 # Attach takes Setup's options but one network: `networks` and `pod` are Setup's.
 ATTACH_OPTIONS = ("args", "capabilities", "netns_fd")
 MAX_CNI_ENV = 64
@@ -203,8 +207,14 @@ class AgentInterface(ServiceInterface):
         *,
         shim: ShimCalls,
         on_operation: Callable[[str, str, float], None] = lambda method, result, seconds: None,
+        check_now: Callable[[list[str], int], Awaitable[list[dict[str, Any]]]] | None = None,
     ) -> None:
         super().__init__(INTERFACE)
+        for sig in ServiceInterface._get_signals(self):
+            for arg, name in zip(sig.introspection.args, SIGNAL_ARGS.get(sig.name, ()),
+                                 strict=False):
+                arg.name = name
+        self._check_now = check_now
         self.shim = shim
         # (method, "ok" or the error name, seconds from arrival to reply): metrics
         self._on_operation = on_operation
@@ -305,6 +315,22 @@ class AgentInterface(ServiceInterface):
             # kept above, so the properties read right; only the signal is lost,
             # on a connection nobody can listen on any more.
             log.info("PropertiesChanged not sent, the bus connection is gone: %s", e)
+
+    def on_check(self, outcome: Outcome) -> None:
+        """Checks listener: AttachmentDrifted on each pass → fail transition."""
+        if not outcome.drifted or outcome.repair:
+            return
+        try:
+            self.AttachmentDrifted(outcome.sandbox_id, outcome.network, outcome.ifname,
+                                   outcome.reason)
+        except Exception as e:  # as for PropertiesChanged: the connection is gone
+            log.info("AttachmentDrifted not sent, the bus connection is gone: %s", e)
+
+    @signal()
+    @signature("s", "s", "s", "s", returns="ssss")
+    def AttachmentDrifted(self, sandbox_id: str, network: str, ifname: str,
+                          reason: str) -> list[str]:
+        return [sandbox_id, network, ifname, reason]
 
     # --- properties -------------------------------------------------------------------
 
@@ -444,6 +470,20 @@ class AgentInterface(ServiceInterface):
                 self.emit_properties_changed({"PodCIDRs": list(after)})
 
         await self._serve("SetPodCIDRs", work)
+
+    @method()
+    @signature("as", returns="s")
+    async def CheckSandboxes(self, sandbox_ids: list[str]) -> str:
+        async def work() -> str:
+            if self._check_now is None:
+                raise AgentError(ErrorKind.NOT_FOUND, "checks are not available")
+            for sid in sandbox_ids:
+                validate_container_id(sid, "sandbox_ids")
+            found = await self._check_now(list(sandbox_ids), self._uid.get())
+            return json.dumps({"attachments": found})
+
+        result: str = await self._serve("CheckSandboxes", work)
+        return result
 
     @method()
     @signature("s", "s", "s", "s", "a{sv}", returns="s")

@@ -19,6 +19,7 @@ from prometheus_client.metrics_core import Metric
 from cni_agent.cni.errors import ExecError, PluginError, PluginTimeout
 from cni_agent.cni.exec import Executor, Invocation
 from cni_agent.readiness.monitor import Monitor, NetworkState
+from cni_agent.sandboxes.checks import Outcome
 
 # Plugin runs take from 1 ms (no-op) to minutes (dhcp, a remote IPAM).
 _PLUGIN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -80,10 +81,22 @@ class Metrics:
         self.shim_calls = Counter(
             "cni_agent_shim_calls", "CNI calls forwarded by cni-agent-shim, by command and result "
             "(ok or the CNI error code)", ("command", "result"), registry=r)
+        self.checks = Counter(
+            "cni_agent_checks", "CHECKs of attachments by result: ok, failed (after a pass: "
+            "drift), unsupported (never passed), disabled (the network allows none)",
+            ("result",), registry=r)
+        self.drift = Counter(
+            "cni_agent_drift", "Attachments whose CHECK passed and then failed, by network",
+            ("network",), registry=r)
+        self.repairs = Counter(
+            "cni_agent_repairs", "Drifted attachments re-created (check.repair), by result",
+            ("result",), registry=r)
         self._last_ready: bool | None = None
         self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], MetricWrapperBase] = {}
         for how in ("deleted", "rolled_back"):
             self.reaped.labels(how)
+        for result in ("ok", "failed", "unsupported", "disabled"):
+            self.checks.labels(result)
 
     # --- seams ---------------------------------------------------------------
 
@@ -121,6 +134,15 @@ class Metrics:
         self.lock_wait.observe(waited)
         if busy:
             self.busy.inc()
+
+    def check(self, outcome: Outcome) -> None:
+        """Checks listener: one CHECK of one attachment, or one repair."""
+        if outcome.repair:
+            self._child(self.repairs, outcome.repair).inc()
+            return
+        self._child(self.checks, outcome.result).inc()
+        if outcome.drifted:
+            self._child(self.drift, outcome.network).inc()
 
     def gc_report(self, deleted: int, rolled_back: int) -> None:
         self.reaped.labels("deleted").inc(deleted)

@@ -18,6 +18,8 @@ from cni_agent.readiness.fallback import fallback_network
 from cni_agent.readiness.monitor import Monitor
 from cni_agent.readiness.podcidrs import PodCIDRs
 from cni_agent.sandboxes.attach import Attachments
+from cni_agent.sandboxes.checks import Checks
+from cni_agent.sandboxes.drift import DriftPasses
 from cni_agent.sandboxes.gc import Reaper, gc_verb_allowed
 from cni_agent.sandboxes.journal import Journal
 from cni_agent.sandboxes.manager import SandboxManager
@@ -44,9 +46,12 @@ class Core:
     attachments: Attachments
     shim: ShimCalls
     metrics: Metrics
+    checks: Checks
+    drift: DriftPasses
 
     async def stop(self) -> None:
         await self.monitor.stop()
+        await self.drift.stop()
         await self.reaper.stop()
         self.journal.paths.stop()
 
@@ -85,9 +90,14 @@ def build_core(cfg: AgentConfig, executor: Executor | None = None) -> Core:
                     verb_wait=min(t.lock, 10.0), interval=cfg.gc.interval,
                     on_report=lambda r: metrics.gc_report(len(r.deleted), len(r.rolled_back)))
     pod_cidrs = PodCIDRs(cfg.state_dir, cfg.pod_cidrs)
+    checks = Checks(journal, repair=cfg.check.repair)
+    checks.subscribe(metrics.check)
     manager = SandboxManager(journal, monitor, locks, reaper, pod_cidrs,
-                             SandboxTimeouts(lock=t.lock, ready=t.ready))
+                             SandboxTimeouts(lock=t.lock, ready=t.ready), checks)
+    drift = DriftPasses(manager, interval=cfg.check.interval,
+                        concurrency=cfg.check.concurrency)
+    manager.on_set_up = drift.baseline
     attachments = Attachments(manager)
     shim = ShimCalls(attachments, monitor, on_call=metrics.shim_call)
     return Core(runtime, monitor, journal, locks, reaper, pod_cidrs, manager, attachments, shim,
-                metrics)
+                metrics, checks, drift)

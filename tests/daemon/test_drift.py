@@ -1,0 +1,284 @@
+"""Drift: CHECK of every attachment on a schedule and after firewalld reloads,
+reported (journal, metrics, Show, a D-Bus signal) and repaired on request.
+
+Real bridge + host-local + portmap, real namespaces, the agent on a private
+bus; the signal is read by a real client (gdbus monitor). Debian 12's
+portmap 1.1.1 fails CHECK right after ADD on IPv4-only networks, so the drift
+cases use the 1.9.1 plugins tools/setup-system caches (skipped without them).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import unique_name
+from tests.daemon.test_http import samples
+from tests.support.agent import Agent, Bus
+from tests.support.net import addresses, allocations, delete_link
+from tests.support.plugins import Control, conflist, wait_for, write_conf
+
+pytestmark = pytest.mark.root
+
+PLUGINS_191 = Path("/var/cache/cni-agent-tests/cni-plugins-1.9.1")
+needs_191 = pytest.mark.skipif(not (PLUGINS_191 / "portmap").exists(),
+                               reason="CNI plugins 1.9.1 not cached (tools/setup-system)")
+PORT = {"portMappings": [{"hostPort": 18431, "containerPort": 80, "protocol": "tcp"}]}
+
+
+@pytest.fixture
+def bridge() -> Iterator[str]:
+    br = unique_name("cdr")
+    yield br
+    delete_link(br)
+
+
+def pods_net(tmp_path: Path, bridge: str, portmap: bool = True, ips: bool = False) -> None:
+    br: dict[str, Any] = {
+        "type": "bridge", "bridge": bridge, "isGateway": True, "ipMasq": False,
+        "ipam": {"type": "host-local", "subnet": "10.216.0.0/24",
+                 "dataDir": str(tmp_path / "ipam")}}
+    if ips:
+        br["capabilities"] = {"ips": True}
+    plugins = [br]
+    if portmap:
+        plugins.append({"type": "portmap", "capabilities": {"portMappings": True}, "snat": False})
+    write_conf(tmp_path / "net.d", "10-pods.conflist", conflist("pods", plugins, "1.0.0"))
+
+
+def start(tmp_path: Path, bus: Bus, plugins: str = "/usr/lib/cni", **check: Any) -> Agent:
+    sock = tmp_path / "http.sock"
+    agent = Agent(tmp_path, bus, plugin_dirs=[plugins], check={"interval": 1, **check},
+                  http={"listen": f"unix:{sock}"})
+    agent.start()
+    assert agent.call("WaitReady", "d", "10")[0] is True, agent.log()
+    return agent
+
+
+@pytest.fixture
+def agents() -> Iterator[list[Agent]]:
+    started: list[Agent] = []
+    yield started
+    for a in started:
+        a.stop()
+
+
+def show(agent: Agent, sid: str) -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads(agent.call("Show", "s", sid)[0])
+    return doc["attachments"][0]
+
+
+def repairs(agent: Agent, sid: str) -> int:
+    """Show's repair count; -1 while the repair runs (between its DEL and ADD the
+    sandbox has no cached attachment to show, as during a Setup)."""
+    out = agent.busctl("--json=short", "call", "org.cniagent.Agent1", "/org/cniagent/Agent1",
+                       "org.cniagent.Agent1", "Show", "s", sid, check=False)
+    if out.returncode != 0:
+        return -1
+    return int(json.loads(json.loads(out.stdout)["data"][0])["attachments"][0]["check"]["repairs"])
+
+
+def state(agent: Agent, sid: str) -> str:
+    return str(show(agent, sid)["check"]["state"])
+
+
+def metric(agent: Agent, name: str, **labels: str) -> float:
+    return samples(agent.tmp / "http.sock").get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def dnat_chains(sid: str) -> list[str]:
+    """portmap's per-container DNAT chains (their jump carries the sandbox id)."""
+    nat = subprocess.run(["iptables-save", "-t", "nat"], capture_output=True, text=True,
+                         check=True).stdout
+    return sorted({m for line in nat.splitlines() if sid in line
+                   for m in re.findall(r"CNI-DN-[0-9a-f]+", line)})
+
+
+def dport_rules() -> list[str]:
+    nat = subprocess.run(["iptables-save", "-t", "nat"], capture_output=True, text=True,
+                         check=True).stdout
+    return [line for line in nat.splitlines() if "--dport 18431" in line and "DNAT" in line]
+
+
+class Monitor:
+    """`gdbus monitor` on the agent's name: what a real client receives."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.proc = subprocess.Popen(
+            ["stdbuf", "-oL", "gdbus", "monitor", "--address", bus.address, "--dest", "org.cniagent.Agent1"],
+            stdout=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        time.sleep(0.3)  # its AddMatch is in before anything happens
+
+    def drifted(self) -> list[str]:
+        return [line for line in list(self.lines) if "AttachmentDrifted" in line]
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def monitor(system_bus: Bus) -> Iterator[Monitor]:
+    m = Monitor(system_bus)
+    yield m
+    m.stop()
+
+
+# --- drift of a flushed portmap chain (1.9.1) ----------------------------------------
+
+
+@needs_191
+def test_a_flushed_portmap_chain_is_drift_reported_within_the_interval(
+    tmp_path: Path, system_bus: Bus, bridge: str, netns: str, agents: list[Agent],
+    monitor: Monitor,
+) -> None:
+    pods_net(tmp_path, bridge)
+    agent = start(tmp_path, system_bus, str(PLUGINS_191))
+    agents.append(agent)
+    agent.setup("web", netns, capabilities=PORT)
+    # The baseline: the CHECK right after ADD passes with portmap 1.9.1.
+    wait_for(lambda: state(agent, "web") == "ok", timeout=5)
+    [chain] = dnat_chains("web")
+    subprocess.run(["iptables", "-t", "nat", "-F", chain], check=True)  # another tool
+    flushed = time.monotonic()
+    wait_for(lambda: state(agent, "web") == "drifted", timeout=5)
+    assert time.monotonic() - flushed < 1 * 1.1 + 2  # within check.interval (+ its CHECK)
+    check = show(agent, "web")["check"]
+    assert "could not check ipv4 dnat" in check["reason"], check
+    assert check["last_check"].endswith("Z")
+    signal = wait_for(monitor.drifted, timeout=3)
+    assert len(signal) == 1 and "('web', 'pods', 'eth0', 'plugin portmap CHECK failed" in \
+        signal[0], signal
+    assert metric(agent, "cni_agent_drift_total", network="pods") == 1
+    assert metric(agent, "cni_agent_checks_total", result="failed") >= 1
+    assert metric(agent, "cni_agent_checks_total", result="ok") >= 1
+    warning = [x for x in agent.log().splitlines() if "drifted" in x and "WARNING" in x]
+    assert len(warning) == 1, agent.log()
+    assert "SANDBOX_ID=web" in warning[0] and "NETWORK=pods" in warning[0] and \
+        "IFNAME=eth0" in warning[0] and "could not check ipv4 dnat" in warning[0]
+    # Still drifted at the next passes: said once, not repaired (repair is off).
+    time.sleep(2.5)
+    assert len(monitor.drifted()) == 1 and metric(agent, "cni_agent_drift_total",
+                                                  network="pods") == 1
+    assert dport_rules() == []
+    # The verdict is in the record: a restarted agent still shows it.
+    agent.stop()
+    agent.config["check"] = {"interval": 0}
+    agent.start()
+    after = show(agent, "web")["check"]
+    assert after["state"] == "drifted" and after["reason"] == check["reason"]
+
+
+@needs_191
+def test_repair_recreates_the_attachment_with_the_same_ip(
+    tmp_path: Path, system_bus: Bus, bridge: str, netns: str, agents: list[Agent],
+    monitor: Monitor,
+) -> None:
+    pods_net(tmp_path, bridge, ips=True)
+    agent = start(tmp_path, system_bus, str(PLUGINS_191), repair=True)
+    agents.append(agent)
+    agent.setup("web", netns, capabilities=PORT)
+    ip = addresses(netns)
+    wait_for(lambda: state(agent, "web") == "ok", timeout=5)
+    subprocess.run(["iptables", "-t", "nat", "-F", dnat_chains("web")[0]], check=True)
+    wait_for(lambda: repairs(agent, "web") == 1, timeout=6)
+    assert state(agent, "web") == "ok"
+    assert addresses(netns) == ip and len(ip) == 1  # the same IP, kept through DEL + ADD
+    assert allocations(tmp_path / "ipam", "pods") == [ip[0].split("/")[0]]
+    assert len(dport_rules()) >= 1  # portmap's DNAT is back
+    assert json.loads(agent.call("Show", "s", "web")[0])["attachments"][0]["result"]["ips"][0][
+        "address"] == ip[0]
+    assert len(wait_for(monitor.drifted, timeout=3)) == 1
+    assert metric(agent, "cni_agent_repairs_total", result="ok") == 1
+    assert any("repaired" in x and "WARNING" in x for x in agent.log().splitlines())
+    agent.call("Teardown", "ssa{sv}", "web", netns, "0")
+    assert allocations(tmp_path / "ipam", "pods") == [] and dport_rules() == []
+
+
+@needs_191
+def test_without_the_ips_capability_a_drift_is_reported_not_repaired(
+    tmp_path: Path, system_bus: Bus, bridge: str, netns: str, agents: list[Agent],
+) -> None:
+    pods_net(tmp_path, bridge, ips=False)
+    agent = start(tmp_path, system_bus, str(PLUGINS_191), repair=True)
+    agents.append(agent)
+    agent.setup("web", netns, capabilities=PORT)
+    wait_for(lambda: state(agent, "web") == "ok", timeout=5)
+    subprocess.run(["iptables", "-t", "nat", "-F", dnat_chains("web")[0]], check=True)
+    wait_for(lambda: state(agent, "web") == "drifted", timeout=5)
+    time.sleep(2.5)
+    assert show(agent, "web")["check"]["repairs"] == 0 and dport_rules() == []
+    refused = [x for x in agent.log().splitlines() if "not repaired" in x]
+    assert len(refused) == 1 and "ips capability" in refused[0], agent.log()
+    assert metric(agent, "cni_agent_repairs_total", result="refused") == 1
+
+
+# --- a CHECK that never passed proves nothing (portmap 1.1.1) --------------------------
+
+
+def test_portmap_1_1_1_is_check_unsupported_and_never_repaired(
+    tmp_path: Path, system_bus: Bus, bridge: str, netns: str, agents: list[Agent],
+    monitor: Monitor,
+) -> None:
+    pods_net(tmp_path, bridge, ips=True)
+    agent = start(tmp_path, system_bus, "/usr/lib/cni", repair=True)  # Debian 12: 1.1.1
+    agents.append(agent)
+    agent.setup("web", netns, capabilities=PORT)
+    wait_for(lambda: state(agent, "web") == "unsupported", timeout=5)
+    assert "could not check ipv6 dnat" in show(agent, "web")["check"]["reason"]
+    subprocess.run(["iptables", "-t", "nat", "-F", dnat_chains("web")[0]], check=True)
+    time.sleep(3)  # passes run; the failing CHECK is no evidence: nothing is re-created
+    check = show(agent, "web")["check"]
+    assert check["state"] == "unsupported" and check["repairs"] == 0
+    assert monitor.drifted() == []
+    assert metric(agent, "cni_agent_drift_total", network="pods") == 0
+    assert metric(agent, "cni_agent_checks_total", result="unsupported") >= 3
+    assert not any("repaired (DEL" in x or " drifted: " in x for x in agent.log().splitlines())
+    assert agent.log().count("ADD of pods") == 2  # bridge and portmap, once
+
+
+def test_check_interval_0_runs_no_check(
+    tmp_path: Path, system_bus: Bus, bridge: str, netns: str, agents: list[Agent],
+) -> None:
+    pods_net(tmp_path, bridge, portmap=False)
+    agent = start(tmp_path, system_bus, "/usr/lib/cni", interval=0)
+    agents.append(agent)
+    agent.setup("web", netns)
+    time.sleep(1.5)
+    assert state(agent, "web") == "unchecked"
+    assert metric(agent, "cni_agent_checks_total", result="ok") == 0
+
+
+# --- a pass never holds up a request ----------------------------------------------------
+
+
+def test_a_slow_scheduled_check_yields_to_teardown_and_gc_at_once(
+    make_agent: Callable[..., Agent], testnet: Callable[..., Path], control: Control,
+    netns_factory: Callable[[], str],
+) -> None:
+    testnet()
+    agent = make_agent(check={"interval": 1})
+    agent.setup("a", netns_factory())
+    agent.setup("b", netns_factory())
+    control.set("CHECK", "succeed", sleep=30)  # a CHECK plugin that hangs
+    wait_for(lambda: [r for r in control.records() if r["command"] == "CHECK"], timeout=5)
+    start = time.monotonic()
+    agent.call("Teardown", "ssa{sv}", "a", "", "0")
+    agent.call("GarbageCollect", "as", "0")  # b is not listed: reaped, not "busy"
+    assert time.monotonic() - start < 2, "a request waited for a scheduled CHECK"
+    assert agent.call("ListSandboxes")[0] == []
