@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -23,7 +24,7 @@ import pytest
 from tests.conftest import unique_name
 from tests.daemon.test_http import samples
 from tests.support.agent import Agent, Bus
-from tests.support.net import addresses, allocations, delete_link
+from tests.support.net import addresses, allocations, delete_link, netns_name
 from tests.support.plugins import Control, conflist, wait_for, write_conf
 
 pytestmark = pytest.mark.root
@@ -32,6 +33,7 @@ PLUGINS_191 = Path("/var/cache/cni-agent-tests/cni-plugins-1.9.1")
 needs_191 = pytest.mark.skipif(not (PLUGINS_191 / "portmap").exists(),
                                reason="CNI plugins 1.9.1 not cached (tools/setup-system)")
 PORT = {"portMappings": [{"hostPort": 18431, "containerPort": 80, "protocol": "tcp"}]}
+STAND_IN = Path(__file__).resolve().parents[1] / "support" / "firewalld_standin.py"
 
 
 @pytest.fixture
@@ -250,6 +252,62 @@ def test_portmap_1_1_1_is_check_unsupported_and_never_repaired(
     assert metric(agent, "cni_agent_checks_total", result="unsupported") >= 3
     assert not any("repaired (DEL" in x or " drifted: " in x for x in agent.log().splitlines())
     assert agent.log().count("ADD of pods") == 2  # bridge and portmap, once
+
+
+# --- firewalld triggers a pass --------------------------------------------------------
+
+
+class StandIn:
+    """A small dbus-fast service owning org.fedoraproject.FirewallD1 on the test bus."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(STAND_IN), bus.address],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        assert self.proc.stdout.readline().strip() == "owned"
+
+    def reload(self) -> None:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("reload\n")
+        self.proc.stdin.flush()
+        assert self.proc.stdout.readline().strip() == "sent"
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def test_firewalld_reloaded_or_restarted_runs_a_pass_within_1s(
+    tmp_path: Path, permissive_bus: Bus, bridge: str, netns: str, agents: list[Agent],
+) -> None:
+    # A bus whose policy lets the stand-in own firewalld's name (the system-like one does not).
+    pods_net(tmp_path, bridge, portmap=False)
+    firewalld = StandIn(permissive_bus)
+    try:
+        # No scheduled pass in the test's time: only firewalld can trigger one.
+        agent = start(tmp_path, permissive_bus, "/usr/lib/cni", interval=3600)
+        agents.append(agent)
+        agent.setup("web", netns)
+        wait_for(lambda: state(agent, "web") == "ok", timeout=5)
+        [ip] = addresses(netns)
+        # What a reload does to the firewall plugin's rules, done to the pod's address.
+        subprocess.run(["ip", "-n", netns_name(netns), "addr", "del", ip, "dev", "eth0"],
+                       check=True)
+        time.sleep(1.5)
+        assert state(agent, "web") == "ok"  # nothing looked
+        firewalld.reload()
+        sent = time.monotonic()
+        wait_for(lambda: state(agent, "web") == "drifted", timeout=1)
+        assert time.monotonic() - sent < 1
+        assert "firewalld reloaded" in agent.log()
+        # A restart of firewalld (a new owner of its name) triggers one too.
+        subprocess.run(["ip", "-n", netns_name(netns), "addr", "add", ip, "dev", "eth0"],
+                       check=True)
+        firewalld.stop()
+        firewalld = StandIn(permissive_bus)
+        wait_for(lambda: state(agent, "web") == "ok", timeout=1)
+    finally:
+        firewalld.stop()
 
 
 def test_check_interval_0_runs_no_check(

@@ -27,6 +27,7 @@ from cni_agent.node.locks import StateDirBusy, lock_state_dir
 from cni_agent.readiness.monitor import NetworkState
 from cni_agent.service.auth import Authorizer
 from cni_agent.service.dbus_service import AgentInterface
+from cni_agent.service.firewalld import FirewalldWatch
 from cni_agent.service.httpd import HealthServer, ListenError
 from cni_agent.service.logs import setup_logging
 from cni_agent.service.notify import Notifier
@@ -180,6 +181,11 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.add_signal_handler(sig, self._on_signal, sig)
         self._recovery = asyncio.create_task(self._recover(), name="cni-agent-recovery")
+        if self.core.drift.on:
+            try:
+                await FirewalldWatch(bus, self.core.drift.trigger).start()
+            except Exception as e:
+                log.warning("cannot watch firewalld: %s; its reloads will not trigger CHECKs", e)
         await self.monitor.start()
         self.notifier.ready(self.monitor.state.status)
         self.notifier.start_watchdog()
