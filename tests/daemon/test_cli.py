@@ -286,7 +286,6 @@ def test_monitor_prints_each_flip_and_stops_quietly_on_ctrl_c(
     ["setup", "s1", "/run/netns/x", "--capabilities", "[1, 2]"],
     ["setup", "s1", "/run/netns/x", "--capabilities", "{not json"],
     ["setup", "s1"],
-    ["check", "s1"],
     ["teardown"],
     ["wait", "--timeout", "-1"],
     ["wait", "--timeout", "soon"],

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import unique_name
+from tests.daemon.test_cli import cli
 from tests.daemon.test_http import samples
 from tests.support.agent import Agent, Bus
 from tests.support.net import addresses, allocations, delete_link, netns_name
@@ -340,3 +341,33 @@ def test_a_slow_scheduled_check_yields_to_teardown_and_gc_at_once(
     agent.call("GarbageCollect", "as", "0")  # b is not listed: reaped, not "busy"
     assert time.monotonic() - start < 2, "a request waited for a scheduled CHECK"
     assert agent.call("ListSandboxes")[0] == []
+
+
+# --- the check CLI ----------------------------------------------------------------------
+
+
+def test_the_check_cli_reports_drift_and_exits_1(
+    tmp_path: Path, system_bus: Bus, bridge: str, netns_factory: Callable[[], str],
+    agents: list[Agent],
+) -> None:
+    pods_net(tmp_path, bridge, portmap=False)
+    agent = start(tmp_path, system_bus, "/usr/lib/cni", interval=3600)  # no pass meanwhile
+    agents.append(agent)
+    good, bad = netns_factory(), netns_factory()
+    agent.setup("good", good)
+    agent.setup("bad", bad)
+    wait_for(lambda: state(agent, "good") == state(agent, "bad") == "ok", timeout=5)
+    out = cli(agent, "check")
+    assert out.returncode == 0, out.stderr
+    [ip] = addresses(bad)
+    subprocess.run(["ip", "-n", netns_name(bad), "addr", "del", ip, "dev", "eth0"], check=True)
+    out = cli(agent, "check")
+    assert out.returncode == 1 and out.stderr == "", (out.stdout, out.stderr)
+    lines = out.stdout.splitlines()
+    assert lines[0].split() == ["SANDBOX", "NETWORK", "IFNAME", "CHECK", "LAST", "CHECK", "REASON"]
+    assert lines[1].split()[:4] == ["bad", "pods", "eth0", "drifted"] and "bridge" in lines[1]
+    assert lines[2].split()[:4] == ["good", "pods", "eth0", "ok"]
+    rows = json.loads(cli(agent, "check", "good", "--json").stdout)["attachments"]
+    assert [(r["sandbox"], r["state"], r["drifted_now"]) for r in rows] == [("good", "ok", False)]
+    assert state(agent, "bad") == "drifted"  # what the CLI found is what Show says
+    assert cli(agent, "check", "nosuch").returncode == 1

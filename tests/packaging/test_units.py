@@ -51,6 +51,7 @@ CONTRACT_DEFAULTS = {
     "shutdown_drain": 10,
     "access": {"groups": ["cni-agent"]},
     "gc": {"networks": []},  # added by this project: the GC verb only where declared
+    "check": {"interval": 300, "repair": False, "concurrency": 4},  # issue 26: drift
     "http": {"listen": ""},  # added by this project (issue 16): metrics and probes, off
     "bus": "system",
     "log_level": "info",

@@ -345,6 +345,18 @@ class AgentClient:
     async def check(self, sandbox_id: str, netns: str) -> None:
         await self._call("Check", "ssa{sv}", [sandbox_id, netns, {}], timeout=None)
 
+    async def check_sandboxes(self, sandbox_ids: list[str]) -> list[dict[str, Any]]:
+        """CHECK now; every attachment's check state (CheckSandboxes)."""
+        [text] = await self._call("CheckSandboxes", "as", [sandbox_ids], timeout=None)
+        try:
+            rows = json.loads(text)["attachments"]
+            if not isinstance(rows, list):
+                raise TypeError("attachments is not a list")
+        except (ValueError, TypeError, KeyError) as e:
+            raise ClientError("unexpected reply", f"the agent's check report is not the "
+                              f"documented JSON: {type(e).__name__}: {e}") from None
+        return [dict(r) for r in rows]
+
     # --- watching -----------------------------------------------------------------------
 
     async def watch(self) -> AsyncGenerator[AgentStatus, None]:

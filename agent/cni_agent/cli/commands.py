@@ -53,6 +53,7 @@ from cni_agent.cli.output import (
     dumps,
     format_attachments,
     format_change,
+    format_checks,
     format_status,
 )
 from cni_agent.cni.args import PodMeta, validate_network_name
@@ -140,8 +141,15 @@ async def _teardown(client: AgentClient, args: argparse.Namespace, colour: bool)
 
 
 async def _check(client: AgentClient, args: argparse.Namespace, colour: bool) -> int:
-    await client.check(args.id, args.netns)
-    return EXIT_OK
+    if args.netns:  # the contract's `check ID NETNS`: CHECK there, exit 0 if all pass
+        await client.check(args.id, args.netns)
+        return EXIT_OK
+    rows = await client.check_sandboxes([args.id] if args.id else [])
+    if args.json:
+        print(dumps({"attachments": rows}))
+    elif rows:
+        print(format_checks(rows))
+    return EXIT_FAILED if any(r.get("state") == "drifted" for r in rows) else EXIT_OK
 
 
 async def _show(client: AgentClient, args: argparse.Namespace, colour: bool) -> int:
@@ -335,11 +343,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("id", metavar="ID", help="the sandbox ID")
     p.add_argument("netns", metavar="NETNS", nargs="?", default="",
                    help='path of the network namespace (default: "", none)')
-    p = _command(sub, "check", "verify a sandbox's attachments (CNI CHECK)", """
-        Run CNI CHECK for every attachment of sandbox ID in NETNS; exit 0 if all pass.""",
-        "  $ cni-agent check pod-1 /run/netns/pod-1 && echo ok", _check)
-    p.add_argument("id", metavar="ID", help="the sandbox ID")
-    p.add_argument("netns", metavar="NETNS", help="path of the network namespace")
+    p = _command(sub, "check", "verify attachments (CNI CHECK) and report drift", """
+        Run CNI CHECK now, as the agent's scheduled passes do, for every attachment of
+        sandbox ID (of every sandbox without ID), and print each one's state: ok, drifted
+        (its CHECK passed before and fails now), unsupported (its CHECK never passed: no
+        evidence either way), disabled (its network allows no CHECK). With check.repair
+        a drifted attachment is re-created. Exits 1 if any attachment is drifted. With
+        NETNS: CHECK sandbox ID in that namespace and exit 0 only if every CHECK passes.""",
+        "  $ cni-agent check\n  $ cni-agent check pod-1 /run/netns/pod-1 && echo ok", _check,
+        '{"attachments": [{sandbox, network, ifname, state, last_check, reason, repairs, '
+        'drifted_now}]}')
+    p.add_argument("id", metavar="ID", nargs="?", default="",
+                   help="the sandbox ID (default: every sandbox)")
+    p.add_argument("netns", metavar="NETNS", nargs="?", default="",
+                   help="path of the network namespace (the Check method)")
     p = _command(sub, "show", "show a sandbox's cached attachments", """
         Show the cached result of sandbox ID, one line per attachment: network, interface,
         addresses.""", "  $ cni-agent show pod-1 --json | jq '.attachments[].result.ips'",

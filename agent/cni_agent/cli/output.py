@@ -59,6 +59,19 @@ def format_attachments(result: SandboxResult) -> str:
     return text
 
 
+def format_checks(rows: Sequence[Mapping[str, Any]]) -> str:
+    """One aligned line per attachment: sandbox, network, ifname, state, last CHECK, why."""
+    table = [("SANDBOX", "NETWORK", "IFNAME", "CHECK", "LAST CHECK", "REASON")]
+    table += [(str(r.get("sandbox", "")), str(r.get("network", "")), str(r.get("ifname", "")),
+               str(r.get("state", "")) + (" (repaired)" if r.get("repairs") else ""),
+               str(r.get("last_check") or "-"),
+               str(r.get("reason") or "-") if r.get("state") != "ok" else "-")
+              for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(5)]
+    return "\n".join("  ".join(f"{c:<{w}}" for c, w in zip(row[:5], widths, strict=True))
+                     + f"  {row[5]}" for row in table)
+
+
 def format_change(st: AgentStatus, when: datetime, colour: bool) -> str:
     """One monitor line: local time, ready/not ready, the agent's Status line."""
     stamp = when.astimezone().strftime("%Y-%m-%d %H:%M:%S")
