@@ -250,7 +250,11 @@ class Attachments:
         if entry is None:
             raise NoCachedResult(f"sandbox {sandbox_id}: no cached result for "
                                  f"{att.network}/{att.ifname}")
-        await self.m.journal.check(att, entry, ns)
+        # The one CHECK path (checks.py): the outcome is recorded and judged.
+        only = {(att.network, att.ifname): entry}
+        for outcome in await self.m.checks.run_locked(rec, only, ns, repair=False):
+            if outcome.error is not None:
+                raise outcome.error
 
     # --- a runtime's GC -------------------------------------------------------------
 

@@ -109,8 +109,9 @@ class Checks:
         recorded = att.check.at if att.check else 0.0
         return max(recorded, self._last.get((sandbox_id, att.ifname), 0.0))
 
-    def forget(self, sandbox_id: str) -> None:
-        for key in [k for k in self._last if k[0] == sandbox_id]:
+    def retain(self, sandbox_ids: set[str]) -> None:
+        """Forget the CHECK times of sandboxes that are gone (each pass calls it)."""
+        for key in [k for k in self._last if k[0] not in sandbox_ids]:
             del self._last[key]
 
     async def run_locked(self, rec: SandboxRecord, entries: Entries, ns: Pinned,

@@ -119,6 +119,8 @@ class DriftPasses:
         m = self.manager
         await m.reaper.recovered.wait()
         records, _ = await asyncio.to_thread(m.journal.store.all)
+        if sandbox_ids is None:
+            m.checks.retain({r.sandbox_id for r in records})
         wanted = None if sandbox_ids is None else set(sandbox_ids)
         sids = sorted(r.sandbox_id for r in records
                       if r.phase is Phase.READY and (wanted is None or r.sandbox_id in wanted))
