@@ -5,7 +5,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from bench import concurrency, cri, detection, durability, footprint, overhead, real_plugins, shim
+from bench import (
+    checks,
+    concurrency,
+    cri,
+    detection,
+    durability,
+    footprint,
+    overhead,
+    real_plugins,
+    shim,
+)
 
 BENCHMARKS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "overhead": overhead.run,
@@ -16,4 +26,5 @@ BENCHMARKS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "footprint": footprint.run,
     "durability": durability.run,
     "cri": cri.run,
+    "checks": checks.run,
 }
