@@ -231,6 +231,46 @@ def test_without_the_ips_capability_a_drift_is_reported_not_repaired(
     assert metric(agent, "cni_agent_repairs_total", result="refused") == 1
 
 
+def pod_forward_rules(ip: str) -> list[str]:
+    """The firewall plugin's (iptables backend) rules for one pod in CNI-FORWARD."""
+    out = subprocess.run(["iptables", "-S", "CNI-FORWARD"], capture_output=True, text=True,
+                         check=True).stdout
+    return [line for line in out.splitlines() if f"{ip}/32" in line]
+
+
+def test_dropped_firewall_plugin_rules_are_drift_and_repaired_with_the_same_ip(
+    tmp_path: Path, system_bus: Bus, bridge: str, netns: str, agents: list[Agent],
+    monitor: Monitor,
+) -> None:
+    # Debian 12's own firewall plugin (1.1.1): its CHECK passes right after ADD.
+    write_conf(tmp_path / "net.d", "10-pods.conflist", conflist("pods", [
+        {"type": "bridge", "bridge": bridge, "isGateway": True, "ipMasq": False,
+         "capabilities": {"ips": True},
+         "ipam": {"type": "host-local", "subnet": "10.218.0.0/24",
+                  "dataDir": str(tmp_path / "ipam")}},
+        {"type": "firewall", "backend": "iptables"}], "1.0.0"))
+    agent = start(tmp_path, system_bus, "/usr/lib/cni", repair=True)
+    agents.append(agent)
+    agent.setup("fw", netns)
+    [cidr] = addresses(netns)
+    ip = cidr.split("/")[0]
+    wait_for(lambda: state(agent, "fw") == "ok", timeout=5)
+    rules = pod_forward_rules(ip)
+    assert len(rules) == 2
+    # What a firewalld reload does to the runtime rules the plugin added (only this
+    # pod's: CNI-FORWARD is the host's).
+    for rule in rules:
+        subprocess.run(["iptables", "-D", *rule.split()[1:]], check=True)
+    wait_for(lambda: repairs(agent, "fw") == 1, timeout=6)
+    assert state(agent, "fw") == "ok" and addresses(netns) == [cidr]
+    assert sorted(pod_forward_rules(ip)) == sorted(rules)  # the plugin's rules are back
+    [signal] = wait_for(monitor.drifted, timeout=3)
+    assert "('fw', 'pods', 'eth0', 'plugin firewall CHECK failed" in signal
+    assert "expected rule" in signal
+    agent.call("Teardown", "ssa{sv}", "fw", netns, "0")
+    assert pod_forward_rules(ip) == [] and allocations(tmp_path / "ipam", "pods") == []
+
+
 # --- a CHECK that never passed proves nothing (portmap 1.1.1) --------------------------
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cni_agent.api import AgentError, ErrorKind
+from cni_agent.cni.errors import CNIError
 from cni_agent.node.blocking import UNANSWERED
 from cni_agent.node.locks import LockTimeout
 from cni_agent.sandboxes import owners
@@ -199,3 +200,5 @@ class DriftPasses:
                 report.errors.append(f"sandbox {sid}: not checked: {e}")
             except AgentError as e:
                 report.errors.append(f"sandbox {sid}: not checked: {e.message}")
+            except CNIError as e:  # its record could not be written: the next pass retries
+                report.errors.append(f"sandbox {sid}: {e}")
