@@ -46,9 +46,6 @@ class Ticket:
     def start(self) -> None:
         """Called with the sandbox lock held; raises if a later removal came first."""
         if self.superseded.is_set():
-            if self.kind is Kind.BACKGROUND:
-                raise AgentError(ErrorKind.CANCELLED, f"sandbox {self.sandbox_id}: a request "
-                                                      "arrived; the scheduled CHECK yields")
             what = "Teardown" if self.kind is Kind.ADD else "removal"
             raise AgentError(
                 ErrorKind.CANCELLED,
