@@ -20,8 +20,10 @@ class FirewallD1(ServiceInterface):
     def __init__(self) -> None:
         super().__init__(NAME)
 
+    # No return annotation: the signal has no arguments (dbus-fast 1.84, Debian's,
+    # refuses "-> None"; 5.x takes either).
     @signal()
-    def Reloaded(self) -> None:
+    def Reloaded(self):  # type: ignore[no-untyped-def]
         return None
 
 
