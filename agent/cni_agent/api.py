@@ -14,8 +14,9 @@ ERROR_PREFIX = "org.cniagent.Agent1.Error."
 # Raised whenever a method, argument, option, property, signal or error name
 # is added to the interface (nothing is ever removed from Agent1): a client
 # checks `InterfaceRevision >= N` before it uses what revision N added.
-# 1: the interface as of wave 3 (Setup/Attach option netns_fd, Version, this).
-INTERFACE_REVISION = 1
+# 1: Setup/Attach option netns_fd, Version, InterfaceRevision.
+# 2: CheckSandboxes, AttachmentDrifted.
+INTERFACE_REVISION = 2
 
 
 class ErrorKind(StrEnum):
