@@ -36,6 +36,11 @@ from cni_agent.sandboxes.records import Phase
 log = logging.getLogger(__name__)
 
 JITTER = 0.1  # each interval is drawn from ±10% of check.interval
+# Baselines wait for a quiet moment: a burst of pod start-ups (20 RunPodSandbox
+# at once) must not share the node's CPU with 20 CHECK chains. They run once no
+# ADD came for BASELINE_QUIET seconds, and at most BASELINE_MAX after the ADD.
+BASELINE_QUIET = 1.0
+BASELINE_MAX = 10.0
 
 
 @dataclass
@@ -56,7 +61,9 @@ class DriftPasses:
         self._wake = asyncio.Event()
         self._why = ""
         self._task: asyncio.Task[None] | None = None
-        self._baselines: set[asyncio.Task[None]] = set()
+        self._pending: dict[str, float] = {}  # sandbox → when its ADD ended
+        self._last_add = 0.0
+        self._baselines: asyncio.Task[None] | None = None
 
     @property
     def on(self) -> bool:
@@ -73,20 +80,41 @@ class DriftPasses:
             self._wake.set()
 
     def baseline(self, sandbox_id: str) -> None:
-        """The CHECK right after ADD: the baseline later CHECKs are judged by."""
+        """The CHECK right after ADD (in the next quiet moment): the baseline
+        later CHECKs are judged by."""
         if not self.on:
             return
-        task = asyncio.create_task(self._baseline(sandbox_id), name="cni-agent-baseline-check")
-        self._baselines.add(task)
-        task.add_done_callback(self._baselines.discard)
+        now = asyncio.get_running_loop().time()
+        self._pending.setdefault(sandbox_id, now)
+        self._last_add = now
+        if self._baselines is None or self._baselines.done():
+            self._baselines = asyncio.create_task(self._run_baselines(),
+                                                  name="cni-agent-baseline-checks")
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._task, *self._baselines) if t is not None]
+        tasks = [t for t in (self._task, self._baselines) if t is not None]
         for task in tasks:
             task.cancel()
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+    async def _run_baselines(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._pending:
+            now = loop.time()
+            due = min(self._last_add + BASELINE_QUIET, min(self._pending.values()) + BASELINE_MAX)
+            if due > now:
+                await asyncio.sleep(due - now)
+                continue
+            batch, self._pending = list(self._pending), {}
+            gate = asyncio.Semaphore(self.concurrency)
+
+            await asyncio.gather(*(self._gated_baseline(sid, gate) for sid in batch))
+
+    async def _gated_baseline(self, sandbox_id: str, gate: asyncio.Semaphore) -> None:
+        async with gate:
+            await self._baseline(sandbox_id)
 
     async def _baseline(self, sandbox_id: str) -> None:
         report = PassReport()
