@@ -18,7 +18,7 @@ import pytest
 from tests.daemon.conftest import bridge_plugins, plug
 from tests.support.agent import Agent
 from tests.support.net import addresses, allocations, link_exists
-from tests.support.plugins import Control, conflist, install_plugin, wait_for, write_conf
+from tests.support.plugins import Control, alive, conflist, install_plugin, wait_for, write_conf
 
 pytestmark = pytest.mark.root
 
@@ -26,14 +26,6 @@ ERR = "org.cniagent.Agent1.Error."
 SLOW = ("testplug", "testplug2", "testplug3")
 STEP = 1.5  # each plugin's time in the verb
 LIMIT = 2  # timeouts.add / del / check: more than one step, less than two
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def slow_chain(tmp_path: Path, control: Control, name: str = "slow",
@@ -76,7 +68,7 @@ def test_add_chain_times_out_as_a_whole_and_is_rolled_back(
     assert [r["type"] for r in runs(control, "ADD")] == ["testplug", "testplug2"]
     assert [r["type"] for r in runs(control, "ADD", "end")] == ["testplug"]
     killed = runs(control, "ADD")[1]["pid"]
-    wait_for(lambda: not _alive(killed), timeout=5)
+    wait_for(lambda: not alive(killed), timeout=5)
     # The rollback got its own deadline: every plugin's DEL ran to the end, last first.
     assert [r["type"] for r in runs(control, "DEL", "end")] == list(reversed(SLOW))
     assert all(r["exit"] == 0 for r in runs(control, "DEL", "end"))
@@ -110,7 +102,7 @@ def test_del_chain_times_out_as_a_whole_and_keeps_the_entry(
     # One try only: a timed-out DEL is not sent again with IgnoreUnknown.
     assert [r["type"] for r in runs(control, "DEL")] == ["testplug3", "testplug2"]
     assert all(r["env"]["CNI_ARGS"] == "K=V" for r in runs(control, "DEL"))
-    wait_for(lambda: not _alive(runs(control, "DEL")[1]["pid"]), timeout=5)
+    wait_for(lambda: not alive(runs(control, "DEL")[1]["pid"]), timeout=5)
     assert agent.call("ListSandboxes")[0] == ["slow-del"]  # kept for the retry
     control.clear("DEL")
     agent.call("Teardown", "ssa{sv}", "slow-del", netns, "0")

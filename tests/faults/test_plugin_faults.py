@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from tests.support.agent import NAME, Agent
-from tests.support.plugins import Control, wait_for
+from tests.support.plugins import Control, alive, wait_for
 
 pytestmark = pytest.mark.root
 ERR = "org.cniagent.Agent1.Error."
@@ -31,14 +31,6 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def assert_clean(agent: Agent, sandbox: str, control: Control, tmp: Path) -> None:
     """Still up and ready, nothing cached for the sandbox, no stray processes."""
     assert agent.proc is not None and agent.proc.poll() is None
@@ -49,7 +41,7 @@ def assert_clean(agent: Agent, sandbox: str, control: Control, tmp: Path) -> Non
     for rec in control.records(None):
         for pid in (rec.get("pid"), rec.get("child")):
             if pid:
-                wait_for(lambda pid=pid: not _alive(pid), timeout=5)
+                wait_for(lambda pid=pid: not alive(pid), timeout=5)
 
 
 FAULTS: list[tuple[str, dict[str, Any], str, str]] = [

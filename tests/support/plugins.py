@@ -105,3 +105,12 @@ def iter_records(path: Path) -> Iterator[dict[str, Any]]:
         for line in path.read_text().splitlines():
             if line.strip():
                 yield json.loads(line)
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, killed and not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
