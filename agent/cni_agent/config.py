@@ -1,7 +1,12 @@
-"""The agent's YAML configuration (`/etc/cni-agent/agent.yaml`).
+"""The agent's YAML configuration, layered as systemd layers its own.
 
-A table of typed fields, frozen dataclasses, and one error type whose message
-names the file and the key: a typo must stop startup, not be ignored.
+Read in order, later files winning key by key: `/usr/lib/cni-agent/agent.yaml`
+(the package's defaults), `/etc/cni-agent/agent.yaml` (the admin's), then the
+drop-ins `*.yaml` of `/usr/lib/cni-agent/agent.yaml.d/` and
+`/etc/cni-agent/agent.yaml.d/` in lexical order of file name, a name in /etc
+masking the same name in /usr/lib (`layers.py` finds the files). Each file is
+checked on its own, so an error names the file and the key: a typo must stop
+startup, not be ignored.
 """
 
 from __future__ import annotations
@@ -9,13 +14,17 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import math
-from collections.abc import Mapping
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
 
+from cni_agent.config_layers import ETC_DIR, USR_DIR, config_files
+
 DEFAULT_CONFIG_PATH = "/etc/cni-agent/agent.yaml"
+DEFAULT = "default"  # the origin of a key no file sets
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -107,10 +116,34 @@ class AgentConfig:
     http: HTTPConfig = field(default_factory=HTTPConfig)
     bus: str = "system"
     log_level: str = "info"
-    source: str = "(defaults)"
+    # The files read, in order, and which of them set each key ("timeouts.del":
+    # FILE); keys no file sets come from the defaults above.
+    sources: tuple[str, ...] = field(default=(), compare=False)
+    origins: Mapping[str, str] = field(default_factory=dict, compare=False)
 
     def replace(self, **changes: Any) -> AgentConfig:
         return dataclasses.replace(self, **changes)
+
+    def origin(self, key: str) -> str:
+        return self.origins.get(key, DEFAULT)
+
+    def value(self, key: str) -> Any:
+        """The value of a dotted key as YAML spells it (`timeouts.del`)."""
+        section, _, sub = key.partition(".")
+        value = getattr(self, section)
+        return getattr(value, _KEY_ALIASES.get(sub, sub)) if sub else value
+
+
+def config_keys() -> Iterator[str]:
+    """Every key, dotted for those of a section, in the order of the documentation."""
+    for f in dataclasses.fields(AgentConfig):
+        if f.name in ("sources", "origins"):
+            continue
+        if f.name in _SECTIONS:
+            for sub in _SECTIONS[f.name][1]:
+                yield f"{f.name}.{sub}"
+        else:
+            yield f.name
 
 
 _KEY_ALIASES = {"del": "delete"}
@@ -126,6 +159,13 @@ def _duration(source: str, key: str, value: Any) -> float:
     if value < 0 or not math.isfinite(value):
         raise _fail(source, key, f"must be a non-negative number of seconds, not {value!r}")
     return float(value)
+
+
+def _interval(source: str, key: str, value: Any) -> float:
+    seconds = _duration(source, key, value)
+    if seconds == 0:
+        raise _fail(source, key, "must be greater than 0 (it is a polling interval)")
+    return seconds
 
 
 def _string(source: str, key: str, value: Any) -> str:
@@ -184,7 +224,8 @@ def _log_level(source: str, key: str, value: Any) -> str:
     return text
 
 
-_TOP_LEVEL = {
+_Check = Callable[[str, str, Any], Any]
+_TOP_LEVEL: Mapping[str, _Check] = {
     "conf_dir": _path,
     "plugin_dirs": lambda s, k, v: _str_list(s, k, v, _path),
     "state_dir": _path,
@@ -196,8 +237,9 @@ _TOP_LEVEL = {
     "bus": _string,
     "log_level": _log_level,
 }
-_SECTIONS: dict[str, tuple[type[Any], Mapping[str, Any]]] = {
-    "monitor": (MonitorConfig, {f.name: _duration for f in dataclasses.fields(MonitorConfig)}),
+_SECTIONS: dict[str, tuple[type[Any], Mapping[str, _Check]]] = {
+    "monitor": (MonitorConfig, {"startup_interval": _interval, "interval": _interval,
+                                "grace_period": _duration}),
     "timeouts": (TimeoutsConfig, {"del" if f.name == "delete" else f.name: _duration
                                   for f in dataclasses.fields(TimeoutsConfig)}),
     "access": (AccessConfig, {"groups": _str_list}),
@@ -208,51 +250,86 @@ _SECTIONS: dict[str, tuple[type[Any], Mapping[str, Any]]] = {
 }
 
 
-def parse_config(doc: Any, source: str) -> AgentConfig:
+def _flatten(doc: Any, source: str) -> dict[str, Any]:
+    """One file's keys, checked and typed, dotted inside sections: what it sets."""
     if doc is None:
-        doc = {}
+        return {}
     if not isinstance(doc, dict):
         raise ConfigFileError(f"{source}: the top level must be a mapping of keys")
-    values: dict[str, Any] = {"source": source}
+    out: dict[str, Any] = {}
     for key, value in doc.items():
         if key in _TOP_LEVEL:
-            values[key] = _TOP_LEVEL[key](source, key, value)
+            out[key] = _TOP_LEVEL[key](source, key, value)
         elif key in _SECTIONS:
-            cls, table = _SECTIONS[key]
+            table = _SECTIONS[key][1]
             if value is None:
-                value = {}
+                continue
             if not isinstance(value, dict):
                 raise _fail(source, key, "must be a mapping")
-            sub: dict[str, Any] = {}
             for k, v in value.items():
                 if k not in table:
                     raise _fail(source, f"{key}.{k}", "unknown key")
-                sub[_KEY_ALIASES.get(str(k), str(k))] = table[k](source, f"{key}.{k}", v)
-            values[key] = cls(**sub)
+                out[f"{key}.{k}"] = table[k](source, f"{key}.{k}", v)
         else:
             raise _fail(source, str(key), "unknown key")
-    cfg = AgentConfig(**values)
-    if cfg.monitor.interval == 0 or cfg.monitor.startup_interval == 0:
-        raise _fail(source, "monitor", "intervals must be greater than 0")
-    return cfg
+    return out
 
 
-def load_config(path: str | None) -> AgentConfig:
-    """Read the file; a missing default file means all defaults."""
-    source = path or DEFAULT_CONFIG_PATH
+def _build(values: Mapping[str, Any], origins: Mapping[str, str], sources: Sequence[str]) -> AgentConfig:
+    top: dict[str, Any] = {}
+    sections: dict[str, dict[str, Any]] = {}
+    for key, value in values.items():
+        section, _, sub = key.partition(".")
+        if sub:
+            sections.setdefault(section, {})[_KEY_ALIASES.get(sub, sub)] = value
+        else:
+            top[key] = value
+    for name, sub_values in sections.items():
+        top[name] = _SECTIONS[name][0](**sub_values)
+    return AgentConfig(**top, sources=tuple(sources), origins=dict(origins))
+
+
+def parse_config(doc: Any, source: str) -> AgentConfig:
+    """One parsed document as the whole configuration."""
+    values = _flatten(doc, source)
+    return _build(values, dict.fromkeys(values, source), (source,))
+
+
+def read_document(path: str) -> Any:
+    """A file's YAML document (None when empty); ConfigFileError naming the file."""
     try:
-        with open(source, encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             text = f.read()
     except FileNotFoundError:
-        if path is None:
-            return AgentConfig()
-        raise ConfigFileError(f"{source}: no such file") from None
+        raise ConfigFileError(f"{path}: no such file") from None
     except OSError as e:
-        raise ConfigFileError(f"{source}: cannot read: {e.strerror}") from None
+        raise ConfigFileError(f"{path}: cannot read: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigFileError(f"{path}: not valid YAML: not UTF-8 text") from None
     try:
-        doc = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark is not None else ""
-        raise ConfigFileError(f"{source}: not valid YAML{where}: {getattr(e, 'problem', e)}") from None
-    return parse_config(doc, source)
+        raise ConfigFileError(f"{path}: not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+
+
+def load_config(path: str | None = None, *, dirs: Sequence[str] = (USR_DIR, ETC_DIR)) -> AgentConfig:
+    """The merged configuration: `path` and `path.d/`, or else the layers of `dirs`.
+
+    Maps (the sections) merge key by key; lists and scalars replace. A missing
+    layer is simply absent; a missing `path` is an error.
+    """
+    if path is not None and not os.path.lexists(path):
+        raise ConfigFileError(f"{path}: no such file")
+    try:
+        files = config_files(path, dirs)
+    except OSError as e:
+        raise ConfigFileError(f"{e.filename}: cannot list the drop-in directory: {e.strerror}") from None
+    values: dict[str, Any] = {}
+    origins: dict[str, str] = {}
+    for source in files:
+        for key, value in _flatten(read_document(source), source).items():
+            values[key] = value
+            origins[key] = source
+    return _build(values, origins, files)

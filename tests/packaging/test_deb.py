@@ -34,7 +34,9 @@ EXPECTED = [
     "/usr/share/dbus-1/interfaces/org.cniagent.Agent1.xml",
     "/usr/lib/sysusers.d/cni-agent.conf",
     "/usr/lib/tmpfiles.d/cni-agent.conf",
-    "/etc/cni-agent/agent.yaml",
+    "/usr/lib/cni-agent/agent.yaml",  # the defaults; /etc is the admin's alone
+    "/usr/lib/cni-agent/agent.yaml.d",
+    "/etc/cni-agent/agent.yaml.d",
     "/usr/lib/cni/cni-agent-shim",  # where Debian's runtimes look for plugins
     "/usr/lib/python3/dist-packages/cni_agent/service/daemon.py",
     "/usr/share/man/man8/cni-agent.8.gz",
@@ -86,8 +88,10 @@ def test_files_land_where_the_policy_says(installed: list[str]) -> None:
     for page, section in (("cni-agent", "8"), ("cni-agent.yaml", "5"), ("org.cniagent.Agent1", "5")):
         found = _run("man", "-w", section, page)
         assert found.returncode == 0 and found.stdout.startswith("/usr/share/man/"), found
+    # No conffile: an upgrade of a node whose admin edited the config never asks.
     conffiles = _run("dpkg-query", "-W", "-f=${Conffiles}", "cni-agent").stdout
-    assert "/etc/cni-agent/agent.yaml" in conffiles
+    assert conffiles.strip() == ""
+    assert not Path("/etc/cni-agent/agent.yaml").exists()
     assert Path("/var/lib/cni-agent").is_dir()  # tmpfiles.d at install
     assert _run("getent", "group", "cni-agent").returncode == 0  # sysusers.d at install
 

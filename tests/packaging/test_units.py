@@ -161,7 +161,7 @@ def test_unit_runs_the_daemon_as_a_notify_service_on_the_bus() -> None:
     assert values(u, "Service", "Type") == ["notify"]
     assert values(u, "Service", "BusName") == [NAME]
     assert values(u, "Service", "ExecStart") == [
-        "/usr/bin/cni-agent run --config /etc/cni-agent/agent.yaml"]
+        "/usr/bin/cni-agent run"]  # the layered configuration, /usr/lib then /etc
     assert values(u, "Service", "ExecReload") == ["/bin/kill -HUP $MAINPID"]
     assert values(u, "Service", "Restart") == ["on-failure"]
     assert seconds(values(u, "Service", "WatchdogSec")[0]) > 0
@@ -446,7 +446,7 @@ def test_default_config_is_accepted_by_the_agent() -> None:
     from cni_agent.config import AgentConfig, parse_config
 
     doc = yaml.safe_load(uncommented(AGENT_YAML.read_text()))
-    assert parse_config(doc, "agent.yaml").replace(source="(defaults)") == AgentConfig()
+    assert parse_config(doc, "agent.yaml") == AgentConfig()
 
 
 # --- packages -------------------------------------------------------------------

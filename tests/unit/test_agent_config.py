@@ -68,7 +68,7 @@ def test_empty_file_means_defaults(tmp_path: Path) -> None:
         ("plugin_dirs: [relative]", "plugin_dirs[0]: must be an absolute path"),
         ("pod_cidrs: [banana]", "pod_cidrs[0]: 'banana' is not a CIDR"),
         ("log_level: loud", "log_level: must be one of"),
-        ("monitor: {interval: 0}", "monitor: intervals must be greater than 0"),
+        ("monitor: {interval: 0}", "monitor.interval: must be greater than 0"),
         ("- a list", "the top level must be a mapping"),
         ("conf_dir: [unclosed", "not valid YAML"),
     ],

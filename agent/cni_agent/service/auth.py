@@ -38,10 +38,14 @@ class Authorizer:
     def __init__(self, bus: Any, groups: Sequence[str], polkit: Polkit | None = None) -> None:
         self.bus = bus
         self.polkit = polkit
-        self.group_names = tuple(groups)
-        self.gids = resolve_groups(groups)
+        self.set_groups(groups)
         # Unique bus names are never reused, so caching per sender is safe.
         self._cache: dict[str, tuple[int, frozenset[int]]] = {}
+
+    def set_groups(self, groups: Sequence[str]) -> None:
+        """`access.groups`, at start and on a reload."""
+        self.group_names = tuple(groups)
+        self.gids = resolve_groups(groups)
 
     async def _credentials(self, sender: str) -> tuple[int, frozenset[int]]:
         if sender in self._cache:

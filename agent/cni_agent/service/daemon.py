@@ -19,7 +19,7 @@ import sys
 from dbus_fast.aio import MessageBus
 from dbus_fast.constants import NameFlag, RequestNameReply
 
-from cni_agent.api import BUS_NAME, OBJECT_PATH
+from cni_agent.api import BUS_NAME, OBJECT_PATH, AgentError, ErrorKind
 from cni_agent.bus import connect
 from cni_agent.cni.exec import kill_leftovers
 from cni_agent.config import AgentConfig, ConfigFileError, load_config
@@ -29,9 +29,10 @@ from cni_agent.service.auth import Authorizer
 from cni_agent.service.dbus_service import AgentInterface
 from cni_agent.service.firewalld import FirewalldWatch
 from cni_agent.service.httpd import HealthServer, ListenError
-from cni_agent.service.logs import setup_logging
+from cni_agent.service.logs import set_log_level, setup_logging
 from cni_agent.service.notify import Notifier
 from cni_agent.service.polkit import Polkit
+from cni_agent.service.reconfig import merge
 from cni_agent.service.wiring import build_core, instance_of
 
 log = logging.getLogger(__name__)
@@ -61,8 +62,11 @@ def _prepare_dirs(cfg: AgentConfig) -> None:
 
 
 class Daemon:
-    def __init__(self, cfg: AgentConfig) -> None:
+    def __init__(self, cfg: AgentConfig, config_path: str | None = None, bus: str | None = None) -> None:
         self.cfg = cfg
+        # What a reload re-reads: the same files (`--config` or the layers), the same --bus.
+        self._config_path = config_path
+        self._bus_override = bus
         self.instance = instance_of(cfg)
         self.core = build_core(cfg)
         self.monitor = self.core.monitor
@@ -92,15 +96,42 @@ class Daemon:
         self.notifier.status(state.status)
 
     async def reload(self) -> None:
-        """SIGHUP or Reload(): rescan configuration, telling systemd around it."""
+        """SIGHUP or Reload(): re-read the agent's config files and rescan the
+        networks, telling systemd around it. A broken file changes nothing."""
         self.notifier.reloading()
         log.info("reloading configuration")
+        error = ""
+        try:
+            cfg = await asyncio.to_thread(load_config, self._config_path)
+        except ConfigFileError as e:
+            error = f"{e}; the configuration in use is kept"
+            log.error("reload: %s", error)
+        else:
+            if self._bus_override:
+                cfg = cfg.replace(bus=self._bus_override)
+            self.cfg = merge(self.cfg, cfg, self._apply)
         state = await self.monitor.reload()
         self.notifier.ready(state.status)
+        if error:
+            raise AgentError(ErrorKind.INVALID_ARGUMENT, error)
+
+    def _apply(self, cfg: AgentConfig) -> None:
+        """The keys a reload changes in the running agent (`reconfig.LIVE`)."""
+        self.monitor.pinned = cfg.default_network
+        self.monitor.startup_interval = cfg.monitor.startup_interval
+        self.monitor.interval = cfg.monitor.interval
+        self.monitor.grace_period = cfg.monitor.grace_period
+        if hasattr(self, "iface"):
+            self.iface.authorizer.set_groups(cfg.access.groups)
+        set_log_level(cfg.log_level)
+
+    async def _reload_quietly(self) -> None:
+        with contextlib.suppress(AgentError):  # logged by reload()
+            await self.reload()
 
     def _on_signal(self, signum: int) -> None:
         if signum == signal.SIGHUP:
-            task = asyncio.ensure_future(self.reload())
+            task = asyncio.ensure_future(self._reload_quietly())
             self._tasks.add(task)  # keep a reference until done
             task.add_done_callback(self._tasks.discard)
             return
@@ -253,7 +284,7 @@ def run(config_path: str | None, bus: str | None) -> int:
         cfg = cfg.replace(bus=bus)
     setup_logging(cfg.log_level)
     try:
-        return asyncio.run(Daemon(cfg).run())
+        return asyncio.run(Daemon(cfg, config_path, bus).run())
     except StartupError as e:
         print(f"cni-agent: {e}", file=sys.stderr)
         return e.exit_status

@@ -46,6 +46,12 @@ def setup_logging(level: str = "info") -> None:
     # On the handler, not a logger: records of every logger pass through it.
     handler.addFilter(ContextFields())
     root.addHandler(handler)
+    set_log_level(level)
+
+
+def set_log_level(level: str) -> None:
+    """At start and on a reload."""
+    root = logging.getLogger()
     root.setLevel(level.upper())
     # Library chatter stays out of the agent's log unless debugging.
     for noisy in ("pyroute2", "pyinotify", "dbus_fast"):
