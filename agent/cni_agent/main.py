@@ -1,7 +1,9 @@
 """`cni-agent`: the commands of `cli/` and, for `cni-agent run`, the daemon.
 
 The one module that reaches both sides: the CLI never imports the daemon, and
-the daemon is imported only when `run` asks for it.
+the daemon is imported only when `run` asks for it; the offline `config`
+verbs (`cni_agent.offline`, which read the configuration as the daemon does)
+only when they are asked for.
 """
 
 from __future__ import annotations
@@ -12,10 +14,17 @@ from cni_agent.cli.commands import main as commands
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return commands(argv, run_daemon=run_daemon)
+    return commands(argv, run_daemon=run_daemon, run_config=run_config)
 
 
 def run_daemon(config: str | None, bus: str | None) -> int:
     from cni_agent.service.daemon import run
 
     return run(config, bus)
+
+
+def run_config(verb: str, config: str | None, as_json: bool) -> int:
+    """`cni-agent config show|check`: reads what the daemon reads, imported only for them."""
+    from cni_agent.offline.command import run
+
+    return run(verb, config, as_json)

@@ -36,3 +36,14 @@ def test_run_is_the_one_door_to_the_daemon() -> None:
     assert "cni_agent.service.daemon" not in modules
     modules = loaded_after("import cni_agent.service.daemon")
     assert "cni_agent.service.daemon" in modules and "cni_agent.cli.commands" not in modules
+
+
+def test_config_check_reads_as_the_daemon_without_loading_it() -> None:
+    modules = loaded_after("import cni_agent.main\n"
+                           "cni_agent.main.main(['config', 'show', '--config', '/dev/null'])")
+    assert "cni_agent.offline.show" in modules
+    assert [m for m in modules if m.startswith(DAEMON_SIDE)] == []
+    modules = loaded_after("import cni_agent.main\ntry:\n"
+                           "    cni_agent.main.main(['status', '--help'])\n"
+                           "except SystemExit:\n    pass")
+    assert [m for m in modules if m.startswith(("cni_agent.offline", "cni_agent.config"))] == []

@@ -67,6 +67,9 @@ ClientCommand = Callable[[AgentClient, argparse.Namespace, bool], Awaitable[int]
 # `cni-agent run`: (config path, bus) -> exit status. Given by the entry point
 # (cni_agent.main), so the CLI itself never imports the daemon.
 RunDaemon = Callable[[str | None, str | None], int]
+# `cni-agent config show|check`: (verb, --config path, --json) -> exit status; given
+# by the entry point too, since it reads the configuration (`cni_agent.offline`).
+RunConfig = Callable[[str, str | None, bool], int]
 
 
 # --- the client commands ------------------------------------------------------------
@@ -366,6 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
         Print the ID of every sandbox with cached attachments, one per line, sorted.""",
         "  $ cni-agent list | xargs -n1 cni-agent show", _list, '{"sandboxes": [ID, ...]}')
     _sandbox_commands(sub)
+    _config_commands(sub)
     p = sub.add_parser(
         "shim-config", help="print a conflist that sends a runtime's CNI calls to this agent",
         formatter_class=ManFormatter, description="""
@@ -417,6 +421,38 @@ def _shim_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config_commands(sub: Any) -> None:
+    group = sub.add_parser(
+        "config", help="show or check the agent's configuration, offline",
+        formatter_class=ManFormatter, description="""
+        Read the configuration as the agent does, without an agent or a bus: the layers
+        /usr/lib/cni-agent/agent.yaml, /etc/cni-agent/agent.yaml and the drop-ins of both
+        agent.yaml.d/ (or --config FILE and FILE.d/).""")
+    verbs = group.add_subparsers(dest="config_verb", metavar="VERB", title="verbs", required=True)
+    show = verbs.add_parser(
+        "show", help="print the merged configuration, each key with the file it came from",
+        formatter_class=ManFormatter, description="""
+        Print the merged configuration as YAML (it loads back as the same), each key with
+        its origin as a comment: the file that set it last, or "default".""",
+        epilog="example:\n  $ cni-agent config show | grep -v '# default$'")
+    show.add_argument("--json", action="store_true",
+                      help='print JSON for scripts: {"files", "config", "origins"} '
+                           "(default: text for people)")
+    check = verbs.add_parser(
+        "check", help="validate the configuration and every network file, offline",
+        formatter_class=ManFormatter, description="""
+        Validate the agent's configuration files, and every network file in conf_dir as the
+        agent would: it parses, its cniVersion is supported, its plugins are in a trusted
+        plugin dir and support that version (asked with VERSION). Prints one line per
+        problem. Exit status: 0 clean (one summary line), 1 problems, 2 the configuration
+        itself is unusable (the agent would not start).""",
+        epilog="example:\n  $ cni-agent config check && systemctl reload cni-agent")
+    for p in (show, check):
+        p.add_argument("--config", metavar="FILE",
+                       help="read FILE and FILE.d/*.yaml instead of the layers (default: the layers)")
+        p.set_defaults(config_command=True)
+
+
 def _sandbox_commands(sub: Any) -> None:
     group = sub.add_parser(
         "sandbox", help="a named network namespace on CNI networks, for any process or unit",
@@ -448,9 +484,16 @@ def _sandbox_commands(sub: Any) -> None:
                    help="the namespace's name, also the sandbox ID")
 
 
-def main(argv: Sequence[str] | None = None, run_daemon: RunDaemon | None = None) -> int:
+def main(argv: Sequence[str] | None = None, run_daemon: RunDaemon | None = None,
+         run_config: RunConfig | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "config_command", False):
+        if run_config is None:
+            print("cni-agent: config: this entry point cannot read the configuration "
+                  "(use `cni-agent config`)", file=sys.stderr)
+            return EXIT_USAGE
+        return run_config(args.config_verb, args.config, getattr(args, "json", False))
     command: ClientCommand | None = getattr(args, "client_command", None)
     if command is not None:
         if prepare := getattr(args, "prepare", None):

@@ -275,6 +275,8 @@ class Daemon:
 
 def run(config_path: str | None, bus: str | None) -> int:
     """`cni-agent run`: the daemon in the foreground until SIGTERM; its exit status."""
+    if config_path is not None:
+        config_path = os.path.abspath(config_path)  # re-read on reload, after chdir("/")
     try:
         cfg = load_config(config_path)
     except ConfigFileError as e:
