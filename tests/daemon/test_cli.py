@@ -58,8 +58,7 @@ def failed(out: subprocess.CompletedProcess[str], code: int = 1) -> str:
     """The one stderr line of a failed command."""
     assert out.returncode == code, (out.returncode, out.stdout, out.stderr)
     lines = out.stderr.splitlines()
-    if code == 1:
-        assert len(lines) == 1 and lines[0].startswith("cni-agent: "), out.stderr
+    assert len(lines) == 1 and lines[0].startswith("cni-agent: "), out.stderr
     return out.stderr
 
 
@@ -166,19 +165,22 @@ def test_setup_show_check_list_teardown_in_both_output_modes(
     assert err == "cni-agent: not found: sandbox sbx-one has no cached attachments\n"
 
 
-def test_operation_failures_exit_1_with_one_line(
+def test_every_exit_status_from_a_real_agent(
     make_agent: Callable[..., Agent], testnet: Callable[..., Path], control: Control,
     netns: str, tmp_path: Path,
 ) -> None:
+    """0 success, 1 failed, 2 usage, 3 not ready / timed out, 4 denied (5: the next test)."""
     agent = make_agent(timeouts={"ready": 0.3})
-    # Not ready: status says why (exit 0), setup and wait fail (exit 1).
+    # Not ready: status says why (exit 0: it could ask), state, setup and wait exit 3.
     text = ok(cli(agent, "status"))
     assert text.startswith("Network:    not ready\n")
     assert "Last error: no valid CNI network configuration" in text
     assert json.loads(ok(cli(agent, "status", "--json")))["network_ready"] is False
-    err = failed(cli(agent, "setup", "s1", netns))
+    out = cli(agent, "state")
+    assert (out.returncode, out.stdout, out.stderr) == (3, "not-ready\n", "")
+    err = failed(cli(agent, "setup", "s1", netns), 3)
     assert err.startswith("cni-agent: network not ready after 0.3s: no valid CNI network configuration")
-    err = failed(cli(agent, "wait", "--timeout", "0.3"))
+    err = failed(cli(agent, "wait", "--timeout", "0.3"), 3)
     assert err.startswith("cni-agent: timed out: network not ready after 0.3s: no valid CNI network")
 
     # wait really waits: it returns once a network appears.
@@ -189,33 +191,64 @@ def test_operation_failures_exit_1_with_one_line(
     assert waiting.poll() is None, waiting.communicate()
     testnet()
     assert waiting.wait(timeout=15) == 0
+    out = cli(agent, "state")
+    assert (out.returncode, out.stdout, out.stderr) == (0, "ready\n", "")
 
     assert failed(cli(agent, "setup", "s1", netns, "--network", "nosuchnet")).startswith(
         "cni-agent: not found: network nosuchnet not found (valid networks: testnet)")
-    assert failed(cli(agent, "setup", "s1", "relative/path")).startswith(
+    # The agent's InvalidArgument is the caller's mistake: a usage error, 2.
+    assert failed(cli(agent, "setup", "s1", "relative/path"), 2).startswith(
         "cni-agent: invalid argument: ")
     assert failed(cli(agent, "check", "never", netns)).startswith("cni-agent: not found: ")
     control.set("ADD", "fail", code=7, msg="bad subnet", details="10.0.0.0/33")
     assert failed(cli(agent, "setup", "pf", netns)) == (
         "cni-agent: plugin failed: plugin testplug ADD failed (code 7): bad subnet: 10.0.0.0/33\n")
-    # The daemon refuses an unprivileged caller (no polkit here); reading is allowed.
-    err = failed(cli(agent, "setup", "s2", netns, user="nobody"))
+    # The daemon refuses an unprivileged caller (4; no polkit here); reading is allowed.
+    err = failed(cli(agent, "teardown", "s2", user="nobody"), 4)
+    assert err.startswith("cni-agent: access denied: ") and "cni-agent group" in err
+    err = failed(cli(agent, "setup", "s2", netns, user="nobody"), 4)
     assert err.startswith("cni-agent: access denied: ") and "cni-agent group" in err
     assert json.loads(ok(cli(agent, "status", "--json", user="nobody")))["network_ready"] is True
+    out = cli(agent, "state", user="nobody")
+    assert (out.returncode, out.stdout) == (0, "ready\n")
 
 
-def test_agent_not_running_and_bus_unreachable(system_bus: Bus, tmp_path: Path) -> None:
+def test_agent_not_running_and_bus_unreachable_exit_5(system_bus: Bus, tmp_path: Path) -> None:
     # The session's bus, with no agent on it (agents of other tests are stopped by now).
-    for args in (["status"], ["wait"], ["monitor"], ["list", "--json"], ["show", "x"]):
-        err = failed(cli(system_bus, *args))
+    for args in (["status"], ["wait"], ["monitor"], ["list", "--json"], ["show", "x"],
+                 ["teardown", "x"]):
+        err = failed(cli(system_bus, *args), 5)
         assert err == (f"cni-agent: agent not running: nothing owns org.cniagent.Agent1 on the bus "
                        f"{system_bus.address}; {START_HINT}\n"), args
+    out = cli(system_bus, "state")
+    assert (out.returncode, out.stdout, out.stderr) == (5, "not-running\n", "")
     gone = f"unix:path={tmp_path}/no-such.sock"
-    err = failed(cli(gone, "status"))
+    err = failed(cli(gone, "status"), 5)
     assert err == (f"cni-agent: agent not running: the bus {gone} is unreachable "
                    f"(No such file or directory); {START_HINT}\n")
-    err = failed(cli("", "setup", "x", "/run/netns/x", env=_env(DBUS_SYSTEM_BUS_ADDRESS=gone)))
+    err = failed(cli("", "setup", "x", "/run/netns/x", env=_env(DBUS_SYSTEM_BUS_ADDRESS=gone)), 5)
     assert f"the system bus ({gone}) is unreachable" in err
+    out = cli(gone, "state")
+    assert (out.returncode, out.stdout) == (5, "not-running\n")
+
+
+def test_state_says_stopping_while_the_agent_drains(
+    make_agent: Callable[..., Agent], testnet: Callable[..., Path], control: Control,
+    netns: str,
+) -> None:
+    testnet()
+    agent = make_agent(shutdown_drain=5.0)
+    control.set("ADD", "succeed", sleep=3.0)
+    slow = agent.busctl_bg("Setup", "ssa{sv}", "slow", netns, "0")  # keeps the drain going
+    assert agent.proc is not None and agent.notify is not None
+    agent.proc.send_signal(signal.SIGTERM)
+    agent.notify.wait_for("STOPPING=1")
+    out = cli(agent, "state")
+    assert (out.returncode, out.stdout, out.stderr) == (3, "stopping\n", "")
+    err = failed(cli(agent, "wait", "--timeout", "0"), 3)
+    assert "not ready" in err
+    slow.communicate(timeout=30)
+    assert agent.proc.wait(30) == 0
 
 
 # --- monitor -------------------------------------------------------------------------

@@ -82,7 +82,7 @@ def test_not_ready_fails_with_the_reason_and_leaves_nothing(
 ) -> None:
     agent = make_agent()  # no network configured
     out = cli(agent, "sandbox", "up", name, "--timeout", "1", "--dir", str(tmp_path))
-    assert out.returncode == 1
+    assert out.returncode == 3  # not ready
     assert "not ready after 1s" in out.stderr, out.stderr
     assert "no valid CNI network configuration" in out.stderr
     assert not os.path.exists(f"/run/netns/{name}")

@@ -91,7 +91,7 @@ def test_a_member_cannot_reach_a_namespace_it_cannot_open_itself(
         path = f"/proc/{target.pid}/ns/net"
         # The CLI opens the path with the member's rights, as it must.
         out = cli(member_agent, member, "setup", "m1", path)
-        assert out.returncode == 1 and "cannot open: Permission denied" in out.stderr, out
+        assert out.returncode == 4 and "cannot open: Permission denied" in out.stderr, out
         # Straight to the bus, with the path only: the agent does not open it for it.
         out = member_agent.gdbus("Setup", "m1", path, "{}", user=member)
         assert ERR + "AccessDenied" in out.stderr and "netns_fd" in out.stderr, out.stderr
@@ -155,7 +155,7 @@ def test_roots_sandboxes_are_not_a_members_to_see_or_touch(
     member_agent.setup("rootpod", netns)
     for args in (("teardown", "rootpod"), ("show", "rootpod"), ("check", "rootpod", netns)):
         out = cli(member_agent, member, *args)
-        assert out.returncode == 1 and "access denied" in out.stderr, (args, out)
+        assert out.returncode == 4 and "access denied" in out.stderr, (args, out)
         assert "rootpod is not one of uid" in out.stderr
     # The same words for an id that does not exist: nothing is given away.
     nothing = cli(member_agent, member, "show", "nosuchpod")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import os
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
@@ -24,6 +25,7 @@ from dbus_fast.aio import MessageBus
 
 from cni_agent.api import BUS_NAME, ERROR_PREFIX, INTERFACE, OBJECT_PATH, ErrorKind
 from cni_agent.bus import connect
+from cni_agent.cli.exits import EXIT_DENIED, EXIT_FAILED, EXIT_NOT_READY, EXIT_NOT_RUNNING, EXIT_USAGE
 from cni_agent.cni.args import PodMeta
 
 DBUS_NAME = DBUS_INTERFACE = "org.freedesktop.DBus"
@@ -55,16 +57,30 @@ MEANINGS: dict[str, str] = {
     DBUS_ERROR + "InvalidArgs": "invalid argument",
 }
 NOT_RUNNING = frozenset({DBUS_ERROR + "ServiceUnknown", DBUS_ERROR + "NameHasNoOwner"})
+# The exit status of each error (`cni_agent.cli.exits`); any other error is EXIT_FAILED.
+EXIT_STATUSES: dict[str, int] = {
+    ERROR_PREFIX + ErrorKind.INVALID_ARGUMENT: EXIT_USAGE,
+    DBUS_ERROR + "InvalidArgs": EXIT_USAGE,
+    ERROR_PREFIX + ErrorKind.NOT_READY: EXIT_NOT_READY,
+    ERROR_PREFIX + ErrorKind.SHUTTING_DOWN: EXIT_NOT_READY,
+    DBUS_ERROR + "NoReply": EXIT_NOT_READY,
+    DBUS_ERROR + "Timeout": EXIT_NOT_READY,
+    DBUS_ERROR + "TimedOut": EXIT_NOT_READY,
+    ERROR_PREFIX + ErrorKind.ACCESS_DENIED: EXIT_DENIED,
+    DBUS_ERROR + "AccessDenied": EXIT_DENIED,
+}
 
 
 class ClientError(Exception):
     """A call that failed: a short `meaning` and the agent's (or bus's) message."""
 
-    def __init__(self, meaning: str, message: str, name: str = "") -> None:
+    def __init__(self, meaning: str, message: str, name: str = "", status: int | None = None) -> None:
         super().__init__(message)
         self.meaning = meaning
         self.message = message
         self.name = name  # the D-Bus error name, when there was one
+        # The CLI's exit status for it: given, else by the error's name.
+        self.status = status if status is not None else EXIT_STATUSES.get(name, EXIT_FAILED)
 
     def __str__(self) -> str:
         text = " ".join(self.message.split())  # always one line
@@ -77,6 +93,9 @@ class ClientError(Exception):
 
 class AgentUnavailable(ClientError):
     """The agent cannot be reached at all: no bus, or nobody owns the name."""
+
+    def __init__(self, meaning: str, message: str, name: str = "") -> None:
+        super().__init__(meaning, message, name, EXIT_NOT_RUNNING)
 
 
 def describe_bus(bus: str) -> str:
@@ -229,7 +248,11 @@ def open_netns(path: str) -> int | None:
     except OSError as e:
         if os.geteuid() == 0:
             return None
-        raise ClientError("invalid argument", f"netns {path!r}: cannot open: {e.strerror}") from None
+        if e.errno in (errno.EACCES, errno.EPERM):  # the caller's rights, not its typing
+            raise ClientError("access denied", f"netns {path!r}: cannot open: {e.strerror}",
+                              status=EXIT_DENIED) from None
+        raise ClientError("invalid argument", f"netns {path!r}: cannot open: {e.strerror}",
+                          status=EXIT_USAGE) from None
 
 
 # --- the client -----------------------------------------------------------------------
@@ -274,7 +297,8 @@ class AgentClient:
         try:
             reply = await asyncio.wait_for(self._bus.call(msg), timeout)
         except TimeoutError:
-            raise ClientError("timed out", f"no reply to {member} within {timeout:g}s") from None
+            raise ClientError("timed out", f"no reply to {member} within {timeout:g}s",
+                              status=EXIT_NOT_READY) from None
         except Exception as e:
             raise ClientError("lost the bus", f"{member}: the bus connection failed: {e}") from None
         if reply is None:
@@ -313,7 +337,8 @@ class AgentClient:
                 return False
             if now - started < chunk - 1.0:  # WaitReady answers False early only on shutdown
                 raise ClientError("agent shutting down",
-                                  "the agent stopped while waiting for network readiness")
+                                  "the agent stopped while waiting for network readiness",
+                                  status=EXIT_NOT_READY)
 
     async def show(self, sandbox_id: str) -> SandboxResult:
         [text] = await self._call("Show", "s", [sandbox_id])

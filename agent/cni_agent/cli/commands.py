@@ -3,9 +3,9 @@
 The client commands call `org.cniagent.Agent1` over D-Bus (`cni_agent.cli.client`)
 and print with `cni_agent.cli.output`: short aligned text by default (coloured
 only on a terminal, never with NO_COLOR set), JSON with `--json`. Errors are one
-line on stderr, `cni-agent: MEANING: MESSAGE`. Exit status: 0 success, 1 the
-operation failed (including: the agent is not running, `wait` timed out), 2
-usage error.
+line on stderr, `cni-agent: MEANING: MESSAGE`. Exit status (`cni_agent.cli.exits`):
+0 success, 1 the operation failed, 2 usage or configuration error, 3 not
+ready or timed out waiting, 4 access denied, 5 the agent is not running.
 
 JSON output (stable; new keys may be added, none removed or renamed):
 
@@ -43,7 +43,15 @@ from typing import Any
 
 from cni_agent import __version__
 from cni_agent.cli import sandbox, shim_config
-from cni_agent.cli.client import AgentClient, ClientError, SandboxResult, SetupOptions
+from cni_agent.cli.client import AgentClient, AgentUnavailable, ClientError, SandboxResult, SetupOptions
+from cni_agent.cli.exits import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_NOT_READY,
+    EXIT_NOT_RUNNING,
+    EXIT_OK,
+    EXIT_USAGE,
+)
 from cni_agent.cli.output import (
     BUS_HELP,
     TOP_EPILOG,
@@ -60,8 +68,10 @@ from cni_agent.cni.args import PodMeta, validate_network_name
 from cni_agent.cni.config import SHIM_VERSIONS
 from cni_agent.cni.errors import InvalidArgument
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 DEFAULT_WAIT = 30.0
+# `cni-agent state`: one word each. The agent's LastError while it drains (readiness.monitor.STOPPED).
+READY_WORD, NOT_READY_WORD, STOPPING_WORD, NOT_RUNNING_WORD = "ready", "not-ready", "stopping", "not-running"
+STOPPING_ERROR = "shutting down"
 
 ClientCommand = Callable[[AgentClient, argparse.Namespace, bool], Awaitable[int]]
 # `cni-agent run`: (config path, bus) -> exit status. Given by the entry point
@@ -92,7 +102,16 @@ async def _wait(client: AgentClient, args: argparse.Namespace, colour: bool) -> 
         return EXIT_OK
     st = await client.status()
     raise ClientError("timed out", f"network not ready after {args.timeout:g}s: "
-                      f"{st.last_error or st.status}")
+                      f"{st.last_error or st.status}", status=EXIT_NOT_READY)
+
+
+async def _state(client: AgentClient, args: argparse.Namespace, colour: bool) -> int:
+    st = await client.status()
+    if st.network_ready:
+        print(READY_WORD)
+        return EXIT_OK
+    print(STOPPING_WORD if st.last_error == STOPPING_ERROR else NOT_READY_WORD)
+    return EXIT_NOT_READY
 
 
 async def _print_changes(client: AgentClient, args: argparse.Namespace, colour: bool) -> int:
@@ -190,9 +209,15 @@ def _run_client(command: ClientCommand, args: argparse.Namespace) -> int:
     colour = colour_enabled(sys.stdout.isatty(), os.environ)
     try:
         return asyncio.run(_connected(command, args, colour))
+    except AgentUnavailable as e:
+        if command is _state:  # its one word, on stdout like the others
+            print(NOT_RUNNING_WORD)
+            return EXIT_NOT_RUNNING
+        print(f"cni-agent: {e}", file=sys.stderr)
+        return e.status
     except ClientError as e:
         print(f"cni-agent: {e}", file=sys.stderr)
-        return EXIT_FAILED
+        return e.status
     except KeyboardInterrupt:  # Ctrl-C before the command's own handling, or outside monitor
         return EXIT_OK if command is _monitor else EXIT_INTERRUPTED
     except BrokenPipeError:  # e.g. `cni-agent monitor | head -1`: stop quietly
@@ -304,12 +329,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = _command(sub, "status", "show network readiness and the agent's networks", """
         Show whether the network is ready (NetworkReady), the agent's one-line Status, the
         default network, the valid networks, the node's pod CIDRs and, when not ready, why.
-        Exits 0 whenever the agent answers; use `cni-agent wait --timeout 0` to test
-        readiness.""", "  $ cni-agent status --json | jq .network_ready", _status,
-        "an object with network_ready, status, default_network, networks, last_error, pod_cidrs")
+        Exits 0 whenever the agent answers, ready or not (5 when it is not running); use
+        `cni-agent state` to test readiness.""", "  $ cni-agent status --json | jq .network_ready",
+        _status, "an object with network_ready, status, default_network, networks, last_error, pod_cidrs")
+    _command(sub, "state", "print one word: ready, not-ready, stopping or not-running", """
+        Print the agent's state as one word: ready (exit 0), not-ready (exit 3: the network
+        is not ready yet, or any more), stopping (exit 3: the agent is shutting down),
+        not-running (exit 5: nothing owns org.cniagent.Agent1 on the bus, or no bus).""",
+        "  $ [ \"$(cni-agent state)\" = ready ] || journalctl -u cni-agent", _state)
     p = _command(sub, "wait", "wait until the network is ready", """
-        Wait until the agent reports NetworkReady, then exit 0; exit 1 if it is still not
-        ready after the timeout (0 checks once, without waiting).""",
+        Wait until the agent reports NetworkReady, then exit 0; exit 3 if it is still not
+        ready after the timeout (0 checks once, without waiting) or the agent stops.""",
         "  $ cni-agent wait --timeout 120 || journalctl -u cni-agent", _wait)
     p.add_argument("--timeout", metavar="SECONDS", type=_seconds, default=DEFAULT_WAIT,
                    help=f"give up after this many seconds (default: {DEFAULT_WAIT:g})")

@@ -111,14 +111,16 @@ TOP_EPILOG = """
 commands talk to the agent over D-Bus (org.cniagent.Agent1); `run` is the agent.
 Options before the command (--bus) are accepted after it too.
 
-exit status: 0 success; 1 the operation failed, the agent is not running, or
-`wait` timed out; 2 usage error.
+exit status: 0 success; 1 the operation failed; 2 usage or configuration error;
+3 not ready, stopping, or timed out waiting; 4 access denied; 5 the agent is
+not running.
 
 environment: DBUS_SYSTEM_BUS_ADDRESS (the system bus), NO_COLOR (any
 non-empty value: no colour even on a terminal).
 
 examples:
   $ cni-agent status
+  $ cni-agent state
   $ cni-agent wait --timeout 60 && cni-agent setup pod-1 /run/netns/pod-1
   $ cni-agent --bus unix:path=/tmp/cni-agent-bus/bus.sock monitor
 """

@@ -25,6 +25,7 @@ from typing import Any
 import yaml
 
 from cni_agent.cli.client import AgentClient, ClientError, SetupOptions
+from cni_agent.cli.exits import EXIT_NOT_READY
 
 NETNS_DIR = "/run/netns"
 SANDBOX_DIR = "/etc/cni-agent/sandboxes"
@@ -142,7 +143,7 @@ async def up(client: AgentClient, name: str, spec: SandboxSpec, timeout: float) 
         if not await client.wait_ready(timeout):
             status = await client.status()
             raise ClientError("not ready", f"the network is not ready after {timeout:g}s: "
-                              f"{status.last_error or status.status}")
+                              f"{status.last_error or status.status}", status=EXIT_NOT_READY)
         await client.setup(name, path, spec.options())
     except BaseException:
         if created:
