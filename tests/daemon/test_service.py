@@ -340,6 +340,49 @@ def test_sigterm_drains_and_finishes_in_flight_work(
     assert agent.notify is not None and "STOPPING=1" in agent.notify.lines()
 
 
+def test_an_idle_agent_stops_about_a_second_after_sigterm(
+    make_agent: Callable[..., Agent], testnet: Callable[..., Path],
+) -> None:
+    """Nothing in flight, nobody calling: the drain ends after 1 s of quiet, not
+    after the whole shutdown_drain (before: every stop and restart took 10 s)."""
+    testnet()
+    agent = make_agent(shutdown_drain=10.0)
+    assert agent.proc is not None and agent.notify is not None
+    t0 = time.monotonic()
+    agent.proc.send_signal(signal.SIGTERM)
+    assert agent.proc.wait(30) == 0
+    elapsed = time.monotonic() - t0
+    assert 0.9 <= elapsed < 10.0, elapsed  # well under the drain; not a tight timing
+    assert "STOPPING=1" in agent.notify.lines()
+    assert "the drain ends after" in agent.log()
+
+
+def test_a_call_in_flight_keeps_the_drain_going_and_completes(
+    make_agent: Callable[..., Agent], testnet: Callable[..., Path], control: Control,
+    netns_factory: Callable[[], str],
+) -> None:
+    testnet()
+    agent = make_agent(shutdown_drain=10.0)
+    control.set("ADD", "succeed", sleep=2.5)
+    slow = agent.busctl_bg("Setup", "ssa{sv}", "slow", netns_factory(), "0")
+    wait_for(lambda: any(r["command"] == "ADD" for r in control.records()))
+    assert agent.proc is not None and agent.notify is not None
+    t0 = time.monotonic()
+    agent.proc.send_signal(signal.SIGTERM)
+    agent.notify.wait_for("STOPPING=1")
+    time.sleep(1.5)  # longer than the quiet time: only the call in flight keeps us serving
+    control.set("ADD", "succeed")
+    late = agent.busctl("call", NAME, "/org/cniagent/Agent1", NAME, "Setup", "ssa{sv}", "late",
+                        netns_factory(), "0", check=False)
+    assert late.returncode == 0, late.stderr  # still served: the drain had not ended
+    _, err = slow.communicate(timeout=30)
+    assert slow.returncode == 0, err
+    assert agent.proc.wait(30) == 0
+    assert time.monotonic() - t0 < 10.0  # ended once idle, before shutdown_drain
+    record = json.loads((agent.tmp / "state" / "sandboxes" / "slow.json").read_text())
+    assert [a["phase"] for a in record["attachments"]] == ["ready"]
+
+
 def test_the_bus_going_away_during_the_drain_ends_it(
     make_agent: Callable[..., Agent], testnet: Callable[..., Path], control: Control,
     netns: str, tmp_path: Path,

@@ -3,8 +3,9 @@
 Start-up order: config → state dirs → monitor → bus name → READY=1 (not
 waiting for NetworkReady: the network provider may start minutes later).
 Shutdown (SIGTERM/SIGINT, the multus lesson): readiness off at once, requests
-still served for `shutdown_drain` seconds (Teardown always), in-flight work
-finished, then the bus name released and exit 0.
+still served for `shutdown_drain` seconds (Teardown always) — or only until
+nothing has been in flight and no call has come for DRAIN_QUIET seconds —,
+in-flight work finished, then the bus name released and exit 0.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import logging
 import os
 import signal
 import sys
+import time
 
 from dbus_fast.aio import MessageBus
 from dbus_fast.constants import NameFlag, RequestNameReply
@@ -38,6 +40,9 @@ from cni_agent.service.wiring import build_core, instance_of
 log = logging.getLogger(__name__)
 # Seconds allowed for giving the bus name back at exit.
 RELEASE_TIMEOUT = 2.0
+# An idle drain ends once nothing is in flight and no call came for this long:
+# a stop or restart with nobody calling need not wait the whole shutdown_drain.
+DRAIN_QUIET = 1.0
 
 
 class StartupError(Exception):
@@ -246,17 +251,38 @@ class Daemon:
             loop.remove_signal_handler(sig)
         return status
 
+    async def _drain(self, lost: asyncio.Future[None]) -> None:
+        """Serve until shutdown_drain is up, the bus is gone, or the agent is idle."""
+        flight = self.iface.in_flight
+        start = time.monotonic()
+        deadline = start + self.cfg.shutdown_drain
+        while True:
+            now = time.monotonic()
+            if now >= deadline:
+                return
+            # A drain is for callers that can still reach us: when the bus goes
+            # (a node shutdown stopping it alongside us), nothing new can arrive.
+            if lost.done():
+                log.info("the bus went away during the drain; finishing what is in flight")
+                return
+            quiet_since = max(start, flight.last_activity)
+            if flight.count == 0 and now - quiet_since >= DRAIN_QUIET:
+                log.info("no request in flight and none for %gs: the drain ends after %.1fs",
+                         DRAIN_QUIET, now - start)
+                return
+            # In flight: look again in a while (its end restarts the quiet time);
+            # idle: when the quiet time would be up, unless a call comes meanwhile.
+            wake = min(deadline, now + DRAIN_QUIET if flight.count else quiet_since + DRAIN_QUIET)
+            await asyncio.wait({lost}, timeout=max(0.01, wake - now))
+
     async def _shutdown(self, bus: MessageBus, lost: asyncio.Future[None]) -> None:
         self.manager.draining = True
         self.monitor.begin_shutdown()  # NetworkReady=false now; waiters get False
         self.notifier.stopping(self.monitor.state.status)
         if self.cfg.shutdown_drain > 0:
-            log.info("serving requests for %gs more (shutdown_drain)", self.cfg.shutdown_drain)
-            # A drain is for callers that can still reach us: when the bus goes
-            # (a node shutdown stopping it alongside us), nothing new can arrive.
-            await asyncio.wait({lost}, timeout=self.cfg.shutdown_drain)
-            if lost.done():
-                log.info("the bus went away during the drain; finishing what is in flight")
+            log.info("serving requests for up to %gs more (shutdown_drain; less once idle "
+                     "for %gs)", self.cfg.shutdown_drain, DRAIN_QUIET)
+            await self._drain(lost)
         self.manager.accepting = False  # new Setups get ShuttingDown; Teardown is still served
         if self.iface.in_flight.count:
             log.info("waiting for %d request(s) in flight", self.iface.in_flight.count)

@@ -176,19 +176,28 @@ def parse_options(options: Mapping[str, Any], known: Sequence[str] = tuple(OPTIO
 
 
 class InFlight:
-    """Counts requests being served, so shutdown can wait for them."""
+    """Counts requests being served, so shutdown can wait for them, and when the
+    last call arrived or ended, so an idle drain can end early."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.count = 0
+        self._clock = clock
+        self.last_activity = clock()
         self._idle = asyncio.Event()
         self._idle.set()
 
+    def touch(self) -> None:
+        """A call arrived (any method on our object, property reads included)."""
+        self.last_activity = self._clock()
+
     def __enter__(self) -> None:
         self.count += 1
+        self.touch()
         self._idle.clear()
 
     def __exit__(self, *exc: object) -> None:
         self.count -= 1
+        self.touch()  # a caller's next call tends to follow its last answer
         if self.count == 0:
             self._idle.set()
 
@@ -242,6 +251,7 @@ class AgentInterface(ServiceInterface):
         """
         if msg.message_type is not MessageType.METHOD_CALL or msg.path != OBJECT_PATH:
             return None
+        self.in_flight.touch()
         self._caller.set(msg.sender)
         self._fds.set(tuple(fd for fd in msg.unix_fds if isinstance(fd, int)))
         self._interactive.set(bool(msg.flags & MessageFlag.ALLOW_INTERACTIVE_AUTHORIZATION))
