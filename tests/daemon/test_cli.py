@@ -24,7 +24,7 @@ from cni_agent.cli.client import AgentClient, AgentStatus, ClientError, SandboxR
 from cni_agent.cli.commands import main
 from cni_agent.cli.output import colour_enabled, format_attachments, format_change, format_status
 from tests.daemon.conftest import plug
-from tests.support.agent import Agent, Bus, as_user_python
+from tests.support.agent import PERMISSIVE, Agent, Bus, as_user_python
 from tests.support.plugins import Control
 
 pytestmark = pytest.mark.root
@@ -435,3 +435,30 @@ async def test_wait_ready_waits_longer_than_one_call(
         testnet()
         assert await asyncio.wait_for(waiting, 10) is True
         assert (await c.status()).network_ready is True
+
+
+def test_state_does_not_start_a_stopped_agent_through_bus_activation(tmp_path: Path) -> None:
+    """On a node the bus starts cni-agent.service for any call to its name; a
+    query of the state must report "not-running", not start it to answer."""
+    marker = tmp_path / "activated"
+    services = tmp_path / "services"
+    services.mkdir()
+    # A stand-in for systemd's start: it leaves a mark and fails, as the real file's
+    # Exec=/bin/false does on a bus without systemd.
+    (services / "org.cniagent.Agent1.service").write_text(
+        f'[D-BUS Service]\nName=org.cniagent.Agent1\nExec=/bin/sh -c "touch {marker}; exit 1"\n')
+    conf = tmp_path / "bus.conf"
+    conf.write_text(PERMISSIVE.replace("@SOCKET@", str(tmp_path / "bus.sock")).replace(
+        "<auth>EXTERNAL</auth>", f"<auth>EXTERNAL</auth>\n  <servicedir>{services}</servicedir>"))
+    daemon = subprocess.run(["dbus-daemon", f"--config-file={conf}", "--print-address=1",
+                             "--print-pid=1", "--fork"], capture_output=True, text=True, check=True)
+    address, pid = daemon.stdout.split()[:2]
+    try:
+        out = cli(address, "state")
+        assert (out.returncode, out.stdout, out.stderr) == (5, "not-running\n", "")
+        assert not marker.exists()
+        err = failed(cli(address, "status"), 5)  # status may start it (here: a stand-in that exits)
+        assert "agent not running" in err
+        assert marker.exists()
+    finally:
+        os.kill(int(pid), signal.SIGTERM)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any, cast
 
-from dbus_fast import Message, MessageType, Variant
+from dbus_fast import Message, MessageFlag, MessageType, Variant
 from dbus_fast.aio import MessageBus
 
 from cni_agent.api import BUS_NAME, ERROR_PREFIX, INTERFACE, OBJECT_PATH, ErrorKind
@@ -291,9 +291,10 @@ class AgentClient:
     async def _call(self, member: str, signature: str = "", body: Sequence[Any] = (), *,
                     interface: str = INTERFACE, destination: str = BUS_NAME,
                     path: str = OBJECT_PATH, timeout: float | None = QUICK_CALL_TIMEOUT,
-                    fds: Sequence[int] = ()) -> list[Any]:
+                    fds: Sequence[int] = (), auto_start: bool = True) -> list[Any]:
         msg = Message(destination=destination, path=path, interface=interface, member=member,
-                      signature=signature, body=list(body), unix_fds=list(fds))
+                      signature=signature, body=list(body), unix_fds=list(fds),
+                      flags=MessageFlag(0) if auto_start else MessageFlag.NO_AUTOSTART)
         try:
             reply = await asyncio.wait_for(self._bus.call(msg), timeout)
         except TimeoutError:
@@ -314,8 +315,11 @@ class AgentClient:
 
     # --- reads ------------------------------------------------------------------------
 
-    async def status(self) -> AgentStatus:
-        [props] = await self._call("GetAll", "s", [INTERFACE], interface=PROPERTIES)
+    async def status(self, auto_start: bool = True) -> AgentStatus:
+        """The properties; `auto_start=False`: a stopped agent is not bus-activated
+        to answer (`state` reports what is, `status` waits for a restart)."""
+        [props] = await self._call("GetAll", "s", [INTERFACE], interface=PROPERTIES,
+                                   auto_start=auto_start)
         return AgentStatus.from_properties(props)
 
     async def wait_ready(self, timeout: float) -> bool:

@@ -106,7 +106,7 @@ async def _wait(client: AgentClient, args: argparse.Namespace, colour: bool) -> 
 
 
 async def _state(client: AgentClient, args: argparse.Namespace, colour: bool) -> int:
-    st = await client.status()
+    st = await client.status(auto_start=False)  # a query does not start a stopped agent
     if st.network_ready:
         print(READY_WORD)
         return EXIT_OK
@@ -335,7 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
     _command(sub, "state", "print one word: ready, not-ready, stopping or not-running", """
         Print the agent's state as one word: ready (exit 0), not-ready (exit 3: the network
         is not ready yet, or any more), stopping (exit 3: the agent is shutting down),
-        not-running (exit 5: nothing owns org.cniagent.Agent1 on the bus, or no bus).""",
+        not-running (exit 5: nothing owns org.cniagent.Agent1 on the bus, or no bus). Unlike
+        the other commands it does not start a stopped agent through bus activation.""",
         "  $ [ \"$(cni-agent state)\" = ready ] || journalctl -u cni-agent", _state)
     p = _command(sub, "wait", "wait until the network is ready", """
         Wait until the agent reports NetworkReady, then exit 0; exit 3 if it is still not
