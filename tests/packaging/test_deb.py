@@ -92,6 +92,10 @@ def test_files_land_where_the_policy_says(installed: list[str]) -> None:
     conffiles = _run("dpkg-query", "-W", "-f=${Conffiles}", "cni-agent").stdout
     assert conffiles.strip() == ""
     assert not Path("/etc/cni-agent/agent.yaml").exists()
+    # The installed agent reads the package's defaults from /usr/lib.
+    shown = _run("/usr/bin/cni-agent", "config", "show", env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.splitlines()[0] == "# files read, in order: /usr/lib/cni-agent/agent.yaml"
     assert Path("/var/lib/cni-agent").is_dir()  # tmpfiles.d at install
     assert _run("getent", "group", "cni-agent").returncode == 0  # sysusers.d at install
 
