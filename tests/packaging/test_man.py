@@ -69,7 +69,7 @@ def test_cni_agent_8_names_every_command_and_option() -> None:
 
 def config_keys(cls: type, prefix: str = "") -> Iterator[str]:
     for f in dataclasses.fields(cls):
-        if f.name == "source":
+        if f.name in ("source", "sources", "origins"):
             continue  # where it was read from, not a key
         key = "del" if f.name == "delete" else f.name  # `del` is a Python keyword
         if dataclasses.is_dataclass(f.default_factory if f.default_factory is not
@@ -130,7 +130,9 @@ def test_the_bash_completion_completes_in_a_real_bash() -> None:
     assert complete("cni-agent", "se") == ["setup"]
     assert "shim-config" in complete("cni-agent", "")
     assert complete("cni-agent", "setup", "--ne") == ["--network"]
-    assert complete("cni-agent", "--bus", "session", "st") == ["status"]
+    assert complete("cni-agent", "--bus", "session", "st") == ["status", "state"]
+    assert complete("cni-agent", "config", "") == ["show", "check", "--help"]
+    assert complete("cni-agent", "config", "show", "--j") == ["--json"]
     assert complete("cni-agent", "sandbox", "") == ["up", "down", "--help"]
     assert complete("cni-agent", "shim-config", "--runtime", "c") == ["containerd", "crio"]
     assert complete("cni-agent", "sandbox", "up", "web", "--d") == ["--dir"]

@@ -322,7 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run the daemon in the foreground (systemd runs this)",
                          description="Run the agent in the foreground until SIGTERM.")
     run.add_argument("--config", metavar="PATH",
-                     help="YAML configuration (default: /etc/cni-agent/agent.yaml if present)")
+                     help="read PATH and PATH.d/*.yaml instead of the layers (default: "
+                          "/usr/lib/cni-agent/agent.yaml, /etc/cni-agent/agent.yaml, then "
+                          "the drop-ins of both agent.yaml.d/)")
     run.add_argument("--bus", metavar="BUS", default=argparse.SUPPRESS,
                      help="system (default), session, or a D-Bus address")
 
