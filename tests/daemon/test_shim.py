@@ -20,7 +20,7 @@ from tests.daemon.conftest import plug
 from tests.support.agent import Agent
 from tests.support.net import addresses, allocations, delete_link
 from tests.support.plugins import Control, conflist, wait_for, write_conf
-from tests.support.shim import SHIM, readable_shim, run_shim, shim_conf
+from tests.support.shim import SHIM, readable_shim, run_shim, shim_conf, shim_env
 
 pytestmark = pytest.mark.root
 
@@ -259,9 +259,7 @@ def test_a_runtime_that_kills_the_shim_mid_add_leaves_a_whole_attachment_or_none
     bridges("podnet", "10.250.0.0/24", extra=[plug(control)])
     agent = make_agent()
     control.set("ADD", "succeed", sleep=1.5)
-    env = {"PATH": os.environ["PATH"], "CNI_COMMAND": "ADD", "CNI_CONTAINERID": "c",
-           "CNI_NETNS": netns, "CNI_IFNAME": "eth0", "CNI_PATH": "/usr/lib/cni",
-           "DBUS_SYSTEM_BUS_ADDRESS": agent.bus.address}
+    env = shim_env(agent.bus.address, "ADD", cid="c", netns=netns)
     proc = subprocess.Popen([str(SHIM)], stdin=subprocess.PIPE, env=env, text=True)
     assert proc.stdin is not None
     proc.stdin.write(json.dumps(shim_conf("pods", "podnet")))
@@ -335,9 +333,7 @@ def test_an_agent_killed_mid_call_is_try_again_later_and_the_retry_finds_it_whol
     agent = make_agent()
     control.set("ADD", "succeed", sleep=3)
     conf = shim_conf("pods", "podnet")
-    env = {"PATH": os.environ["PATH"], "CNI_COMMAND": "ADD", "CNI_CONTAINERID": "c",
-           "CNI_NETNS": netns, "CNI_IFNAME": "eth0", "CNI_PATH": "/usr/lib/cni",
-           "DBUS_SYSTEM_BUS_ADDRESS": agent.bus.address}
+    env = shim_env(agent.bus.address, "ADD", cid="c", netns=netns)
     proc = subprocess.Popen([str(SHIM)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
                             text=True)
     assert proc.stdin is not None

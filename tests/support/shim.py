@@ -33,13 +33,20 @@ def shim_conf(name: str, network: str = "", version: str = "1.1.0", **extra: Any
             **extra}
 
 
-def run_shim(bus_address: str, command: str, conf: dict[str, Any] | str, *, cid: str = "",
-             netns: str = "", ifname: str = "eth0", args: str = "", user: str | None = None,
-             binary: str = str(SHIM), timeout: float = 60) -> Reply:
+def shim_env(bus_address: str, command: str, *, cid: str = "", netns: str = "",
+             ifname: str = "eth0", args: str = "") -> dict[str, str]:
+    """The environment libcni gives a plugin, for the shim on the test's bus."""
     env = {"PATH": os.environ["PATH"], "CNI_COMMAND": command, "CNI_PATH": "/usr/lib/cni",
            "DBUS_SYSTEM_BUS_ADDRESS": bus_address}
     if command in ("ADD", "DEL", "CHECK"):
         env.update(CNI_CONTAINERID=cid, CNI_NETNS=netns, CNI_IFNAME=ifname, CNI_ARGS=args)
+    return env
+
+
+def run_shim(bus_address: str, command: str, conf: dict[str, Any] | str, *, cid: str = "",
+             netns: str = "", ifname: str = "eth0", args: str = "", user: str | None = None,
+             binary: str = str(SHIM), timeout: float = 60) -> Reply:
+    env = shim_env(bus_address, command, cid=cid, netns=netns, ifname=ifname, args=args)
     stdin = conf if isinstance(conf, str) else json.dumps(conf)
     cmd = [*as_user(user), binary] if user else [binary]
     p = subprocess.run(cmd, input=stdin, env=env, capture_output=True, text=True, timeout=timeout)
