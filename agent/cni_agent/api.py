@@ -16,7 +16,8 @@ ERROR_PREFIX = "org.cniagent.Agent1.Error."
 # checks `InterfaceRevision >= N` before it uses what revision N added.
 # 1: Setup/Attach option netns_fd, Version, InterfaceRevision.
 # 2: CheckSandboxes, AttachmentDrifted.
-INTERFACE_REVISION = 2
+# 3: ResetPodCIDRs, PodCIDRsSource.
+INTERFACE_REVISION = 3
 
 
 class ErrorKind(StrEnum):

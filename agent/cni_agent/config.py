@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import json
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -333,3 +334,30 @@ def load_config(path: str | None = None, *, dirs: Sequence[str] = (USR_DIR, ETC_
             values[key] = value
             origins[key] = source
     return _build(values, origins, files)
+
+
+POD_CIDRS_FILE = "pod-cidrs.json"  # in state_dir: SetPodCIDRs' value, which overrides pod_cidrs
+
+
+def saved_pod_cidrs(state_dir: str) -> tuple[str, ...] | None:
+    """The pod CIDRs SetPodCIDRs saved, which override the `pod_cidrs` key;
+    None when nothing is saved. ValueError when the file is unusable (a
+    damaged file must not decide the node's ranges: the config's stand);
+    PermissionError when the caller may not read it (not root)."""
+    path = os.path.join(state_dir, POD_CIDRS_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        return None
+    except PermissionError:
+        raise
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: unreadable ({e})") from None
+    cidrs = doc.get("cidrs") if isinstance(doc, dict) else None
+    if not isinstance(cidrs, list) or not all(isinstance(c, str) for c in cidrs):
+        raise ValueError(f"{path}: no list of CIDRs under \"cidrs\"")
+    try:
+        return tuple(str(ipaddress.ip_network(c, strict=False)) for c in cidrs)
+    except ValueError:
+        raise ValueError(f"{path}: holds something that is not a CIDR") from None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,19 @@ from tests.support.net import delete_link
 from tests.support.plugins import Control, conflist, install_plugin, write_conf
 
 pytestmark = pytest.mark.root
+
+
+@pytest.fixture
+def member() -> Iterator[str]:
+    """A user of its own, in a group of its own that the agent may be configured with."""
+    name = unique_name("cnim")[:30]
+    subprocess.run(["groupadd", name], check=True)
+    subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
+                    "-g", name, name], check=True)
+    yield name
+    subprocess.run(["pkill", "-KILL", "-u", name], check=False)
+    subprocess.run(["userdel", name], check=False)
+    subprocess.run(["groupdel", name], check=False)
 
 
 @pytest.fixture(scope="session")

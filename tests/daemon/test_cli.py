@@ -106,7 +106,8 @@ def test_status_wait_list_and_the_bus_option_in_both_places(
     assert "\033[" not in text  # not a terminal: no colour
     doc = json.loads(ok(cli(agent, "status", "--json")))
     assert doc == {"network_ready": True, "status": agent.prop("Status"), "default_network": "testnet",
-                   "networks": ["testnet"], "last_error": "", "pod_cidrs": ["10.244.1.0/24"]}
+                   "networks": ["testnet"], "last_error": "", "pod_cidrs": ["10.244.1.0/24"],
+                   "pod_cidrs_source": "config"}
     # --bus before the command works the same as after it.
     before = subprocess.run([sys.executable, "-m", "cni_agent", "--bus", agent.bus.address, "status",
                              "--json"], capture_output=True, text=True, env=_env(), timeout=30)

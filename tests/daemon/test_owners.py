@@ -14,13 +14,12 @@ import os
 import pwd
 import subprocess
 import textwrap
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import unique_name
-from tests.support.agent import Agent, Bus, readable_source
+from tests.support.agent import Agent, Bus, as_member, member_cli, readable_source
 from tests.support.net import addresses, allocations
 from tests.support.plugins import wait_for
 
@@ -29,30 +28,8 @@ pytestmark = pytest.mark.root
 ERR = "org.cniagent.Agent1.Error."
 
 
-@pytest.fixture
-def member() -> Iterator[str]:
-    """A user of its own, in a group of its own that the agent is configured with."""
-    name = unique_name("cnim")[:30]
-    subprocess.run(["groupadd", name], check=True)
-    subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
-                    "-g", name, name], check=True)
-    yield name
-    subprocess.run(["pkill", "-KILL", "-u", name], check=False)
-    subprocess.run(["userdel", name], check=False)
-    subprocess.run(["groupdel", name], check=False)
-
-
-def as_member(user: str) -> list[str]:
-    pw = pwd.getpwnam(user)
-    return ["setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--init-groups"]
-
-
 def cli(agent: Agent, user: str, *args: str) -> subprocess.CompletedProcess[str]:
-    code = (f"import sys; sys.path.insert(0, {str(readable_source())!r}); "
-            "from cni_agent.main import main; sys.exit(main())")
-    return subprocess.run([*as_member(user), "/usr/bin/python3", "-I", "-c", code,
-                           "--bus", agent.bus.address, *args],
-                          capture_output=True, text=True, timeout=60)
+    return member_cli(agent.bus.address, user, *args)
 
 
 def own_netns(user: str) -> subprocess.Popen[str]:

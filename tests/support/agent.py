@@ -260,6 +260,20 @@ def as_user_python(user: str) -> list[str]:
             "from cni_agent.main import main; sys.exit(main())"]
 
 
+def as_member(user: str) -> list[str]:
+    """A command prefix that drops to `user` with all its groups (its memberships count)."""
+    pw = pwd.getpwnam(user)
+    return ["setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--init-groups"]
+
+
+def member_cli(address: str, user: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """The `cni-agent` CLI run as `user`, with its groups, against the bus at `address`."""
+    code = (f"import sys; sys.path.insert(0, {str(readable_source())!r}); "
+            "from cni_agent.main import main; sys.exit(main())")
+    return subprocess.run([*as_member(user), "/usr/bin/python3", "-I", "-c", code,
+                           "--bus", address, *args], capture_output=True, text=True, timeout=60)
+
+
 def as_user(user: str) -> list[str]:
     """A command prefix that drops to `user` (and its primary group, nothing else)."""
     pw = pwd.getpwnam(user)

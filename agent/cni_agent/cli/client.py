@@ -133,6 +133,9 @@ class AgentStatus:
     networks: tuple[str, ...] = ()
     last_error: str = ""
     pod_cidrs: tuple[str, ...] = ()
+    # "config" or "saved" (SetPodCIDRs' value, overriding the config); "" from an
+    # agent older than InterfaceRevision 3, which cannot say.
+    pod_cidrs_source: str = ""
     running: bool = True
 
     @classmethod
@@ -152,7 +155,7 @@ class AgentStatus:
         if "NetworkReady" in v:
             fields["network_ready"] = bool(v["NetworkReady"])
         for prop, name in (("Status", "status"), ("DefaultNetwork", "default_network"),
-                           ("LastError", "last_error")):
+                           ("LastError", "last_error"), ("PodCIDRsSource", "pod_cidrs_source")):
             if prop in v:
                 fields[name] = str(v[prop])
         for prop, name in (("Networks", "networks"), ("PodCIDRs", "pod_cidrs")):
@@ -163,7 +166,8 @@ class AgentStatus:
     def to_json(self) -> dict[str, Any]:
         return {"network_ready": self.network_ready, "status": self.status,
                 "default_network": self.default_network, "networks": list(self.networks),
-                "last_error": self.last_error, "pod_cidrs": list(self.pod_cidrs)}
+                "last_error": self.last_error, "pod_cidrs": list(self.pod_cidrs),
+                "pod_cidrs_source": self.pod_cidrs_source}
 
 
 def result_addresses(result: Mapping[str, Any]) -> tuple[str, ...]:
@@ -385,6 +389,12 @@ class AgentClient:
             raise ClientError("unexpected reply", f"the agent's check report is not the "
                               f"documented JSON: {type(e).__name__}: {e}") from None
         return [dict(r) for r in rows]
+
+    async def set_pod_cidrs(self, cidrs: Sequence[str]) -> None:
+        await self._call("SetPodCIDRs", "as", [list(cidrs)])
+
+    async def reset_pod_cidrs(self) -> None:
+        await self._call("ResetPodCIDRs")
 
     # --- watching -----------------------------------------------------------------------
 

@@ -11,9 +11,9 @@ JSON output (stable; new keys may be added, none removed or renamed):
 
 - `status --json`: one object:
   `{"network_ready": bool, "status": str, "default_network": str,
-  "networks": [str], "last_error": str, "pod_cidrs": [str]}` — the D-Bus
-  properties NetworkReady, Status, DefaultNetwork, Networks, LastError,
-  PodCIDRs.
+  "networks": [str], "last_error": str, "pod_cidrs": [str],
+  "pod_cidrs_source": str}` — the D-Bus properties NetworkReady, Status,
+  DefaultNetwork, Networks, LastError, PodCIDRs, PodCIDRsSource.
 - `monitor --json`: one object per line, the first for the state at start,
   then one per change of readiness (any property but PodCIDRs) or of the
   agent's presence: the `status` object plus `"time"` (ISO 8601, local
@@ -24,6 +24,8 @@ JSON output (stable; new keys may be added, none removed or renamed):
   `{"sandbox": ID, "state": STATE, "attachments": [{"network": NAME, "ifname": IF,
   "result": CNI_RESULT}]}`, each CNI result in its network's cniVersion.
 - `list --json`: `{"sandboxes": [ID, ...]}`, sorted.
+- `pod-cidrs --json`: `{"pod_cidrs": [str], "source": "config" | "saved"}` (the
+  PodCIDRs and PodCIDRsSource properties; source "" from an agent too old to say).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ipaddress
 import json
 import math
 import os
@@ -62,6 +65,7 @@ from cni_agent.cli.output import (
     format_attachments,
     format_change,
     format_checks,
+    format_pod_cidrs,
     format_status,
 )
 from cni_agent.cni.args import PodMeta, validate_network_name
@@ -188,6 +192,17 @@ async def _list(client: AgentClient, args: argparse.Namespace, colour: bool) -> 
     return EXIT_OK
 
 
+async def _pod_cidrs(client: AgentClient, args: argparse.Namespace, colour: bool) -> int:
+    if args.reset:
+        await client.reset_pod_cidrs()
+    elif args.cidrs:
+        await client.set_pod_cidrs(args.cidrs)
+    st = await client.status()
+    print(dumps({"pod_cidrs": list(st.pod_cidrs), "source": st.pod_cidrs_source}) if args.json
+          else format_pod_cidrs(st))
+    return EXIT_OK
+
+
 async def _sandbox_up(client: AgentClient, args: argparse.Namespace, colour: bool) -> int:
     path = await sandbox.up(client, args.name, args.spec, args.timeout)
     _print_result(await client.show(args.name), False)
@@ -272,6 +287,18 @@ def _sandbox_name(value: str) -> str:
         return sandbox.check_name(value)
     except sandbox.SpecError as e:
         raise argparse.ArgumentTypeError(e.message) from None
+
+
+def _cidr(value: str) -> str:
+    try:
+        return str(ipaddress.ip_network(value, strict=False))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a CIDR (like 10.244.1.0/24)") from None
+
+
+def _no_cidrs_with_reset(args: argparse.Namespace) -> None:
+    if args.reset and args.cidrs:
+        raise ClientError("usage", "pod-cidrs: give CIDRs or --reset, not both")
 
 
 def _capabilities(value: str) -> str:
@@ -401,6 +428,20 @@ def build_parser() -> argparse.ArgumentParser:
     _command(sub, "list", "list the sandboxes that have cached attachments", """
         Print the ID of every sandbox with cached attachments, one per line, sorted.""",
         "  $ cni-agent list | xargs -n1 cni-agent show", _list, '{"sandboxes": [ID, ...]}')
+    p = _command(sub, "pod-cidrs", "show, set or reset the node's pod CIDRs", """
+        Print the node's pod CIDRs (given to plugins as the ipRanges capability when a call
+        gives none) and where they come from: the configuration's pod_cidrs, or a value
+        saved by SetPodCIDRs (kept in state_dir across restarts), which overrides the
+        configuration until it is reset. With CIDRs: save them (SetPodCIDRs). With --reset:
+        drop the saved value, so the configuration's pod_cidrs are in effect again.""",
+        "  $ cni-agent pod-cidrs --reset\n  Pod CIDRs: 10.244.1.0/24\n"
+        "  Source:    configuration (pod_cidrs)", _pod_cidrs,
+        '{"pod_cidrs": [CIDR, ...], "source": "config" or "saved"}')
+    p.add_argument("cidrs", metavar="CIDR", nargs="*", type=_cidr,
+                   help="save these as the node's pod CIDRs (default: change nothing)")
+    p.add_argument("--reset", action="store_true",
+                   help="drop the saved value: the configuration's pod_cidrs apply again")
+    p.set_defaults(prepare=_no_cidrs_with_reset)
     _sandbox_commands(sub)
     _config_commands(sub)
     p = sub.add_parser(

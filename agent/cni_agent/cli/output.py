@@ -36,14 +36,33 @@ def _list(items: Sequence[str]) -> str:
     return ", ".join(items) if items else "-"
 
 
+SAVED_NOTE = "(saved by SetPodCIDRs; overrides pod_cidrs in the configuration)"
+
+
+def pod_cidrs_text(st: AgentStatus) -> str:
+    """The pod CIDRs, and when a saved value is in effect, that it overrides the config's."""
+    return _list(st.pod_cidrs) + (f" {SAVED_NOTE}" if st.pod_cidrs_source == "saved" else "")
+
+
 def format_status(st: AgentStatus, colour: bool) -> str:
     rows = [("Network:", readiness(st.network_ready, colour)), ("Status:", st.status),
             ("Default:", st.default_network or "-"), ("Networks:", _list(st.networks)),
-            ("Pod CIDRs:", _list(st.pod_cidrs))]
+            ("Pod CIDRs:", pod_cidrs_text(st))]
     if st.last_error:
         rows.append(("Last error:", st.last_error))
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}} {value}" for label, value in rows)
+
+
+SOURCES = {"config": "configuration (pod_cidrs)",
+           "saved": "saved by SetPodCIDRs; overrides pod_cidrs in the configuration until "
+                    "`cni-agent pod-cidrs --reset`"}
+
+
+def format_pod_cidrs(st: AgentStatus) -> str:
+    source = SOURCES.get(st.pod_cidrs_source, "unknown (the agent is older than "
+                                              "InterfaceRevision 3)")
+    return f"Pod CIDRs: {_list(st.pod_cidrs)}\nSource:    {source}"
 
 
 def format_attachments(result: SandboxResult) -> str:

@@ -1,13 +1,51 @@
-"""`cni-agent config show`: the merged configuration, each key with its origin."""
+"""`cni-agent config show`: the merged configuration, each key with its origin,
+and what overrides a key at run time (a saved SetPodCIDRs value hides `pod_cidrs`)."""
 
 from __future__ import annotations
 
 import json
+import os
+from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
-from cni_agent.config import DEFAULT, AgentConfig, config_keys
+from cni_agent.config import DEFAULT, POD_CIDRS_FILE, AgentConfig, config_keys, saved_pod_cidrs
+
+
+@dataclass(frozen=True)
+class SavedPodCIDRs:
+    """What the agent would find in state_dir: a value, nothing, or why it cannot tell."""
+
+    path: str
+    value: tuple[str, ...] | None = None
+    error: str = ""
+
+    def note(self) -> str:
+        """The comment under `pod_cidrs`, or "" when the configuration's value is in effect."""
+        if self.error:
+            return f"# pod_cidrs: {self.error}"
+        if self.value is None:
+            return ""
+        return (f"# pod_cidrs in effect: {_yaml(self.value)}, saved by SetPodCIDRs in {self.path}: "
+                "it overrides the line above (`cni-agent pod-cidrs --reset` drops it)")
+
+    def to_json(self) -> dict[str, Any] | None:
+        if self.error:
+            return {"file": self.path, "error": self.error}
+        return None if self.value is None else {"file": self.path, "value": list(self.value)}
+
+
+def saved(cfg: AgentConfig) -> SavedPodCIDRs:
+    path = os.path.join(cfg.state_dir, POD_CIDRS_FILE)
+    try:
+        return SavedPodCIDRs(path, saved_pod_cidrs(cfg.state_dir))
+    except PermissionError:
+        return SavedPodCIDRs(path, error="cannot tell whether a value saved by SetPodCIDRs "
+                                         f"overrides it: {path}: permission denied (run as root)")
+    except ValueError as e:
+        # As the agent does: it warns and uses the configuration's value.
+        return SavedPodCIDRs(path, error=f"{e}: the agent ignores that file and uses the line above")
 
 
 def _plain(value: Any) -> Any:
@@ -47,6 +85,8 @@ def render_text(cfg: AgentConfig) -> str:
             section_shown = section
         label = f"  {sub}" if sub else key
         rows.append((f"{label}: {_yaml(cfg.value(key))}", cfg.origin(key)))
+        if key == "pod_cidrs" and (note := saved(cfg).note()):
+            rows.append((note, ""))
     width = max(len(text) for text, origin in rows if origin)
     files = ", ".join(cfg.sources) if cfg.sources else f"none (every key is the {DEFAULT})"
     lines = [f"# files read, in order: {files}"]
@@ -56,4 +96,5 @@ def render_text(cfg: AgentConfig) -> str:
 
 def render_json(cfg: AgentConfig) -> str:
     return json.dumps({"files": list(cfg.sources), "config": nested(cfg),
-                       "origins": {k: cfg.origin(k) for k in config_keys()}}, indent=2)
+                       "origins": {k: cfg.origin(k) for k in config_keys()},
+                       "pod_cidrs_saved": saved(cfg).to_json()}, indent=2)

@@ -126,6 +126,7 @@ class Daemon:
         self.monitor.startup_interval = cfg.monitor.startup_interval
         self.monitor.interval = cfg.monitor.interval
         self.monitor.grace_period = cfg.monitor.grace_period
+        self.pod_cidrs.configure(cfg.pod_cidrs)
         if hasattr(self, "iface"):
             self.iface.authorizer.set_groups(cfg.access.groups)
         set_log_level(cfg.log_level)

@@ -62,7 +62,7 @@ SIGNATURES = {
     "Setup": "ssa{sv}", "Teardown": "ssa{sv}", "Check": "ssa{sv}", "Show": "s",
     "ListSandboxes": "", "WaitReady": "d", "GarbageCollect": "as", "Reload": "",
     "SetPodCIDRs": "as", "Attach": "ssssa{sv}", "Detach": "ssssa{sv}", "CNICall": "a{ss}s",
-    "CheckSandboxes": "as",
+    "CheckSandboxes": "as", "ResetPodCIDRs": "",
 }
 # dbus-fast gives a signal's arguments no names; the contract's XML has them.
 SIGNAL_ARGS = {"AttachmentDrifted": ("sandbox_id", "network", "ifname", "reason")}
@@ -240,6 +240,7 @@ class AgentInterface(ServiceInterface):
         self._interactive: ContextVar[bool] = ContextVar("cni_agent_interactive", default=False)
         self._waits: dict[str, int] = {}  # sender → WaitReady calls in flight (unprivileged)
         self._shown = monitor.state
+        pod_cidrs.subscribe(self.on_pod_cidrs)
 
     # --- plumbing -------------------------------------------------------------------
 
@@ -326,6 +327,14 @@ class AgentInterface(ServiceInterface):
             # on a connection nobody can listen on any more.
             log.info("PropertiesChanged not sent, the bus connection is gone: %s", e)
 
+    def on_pod_cidrs(self) -> None:
+        """PodCIDRs listener: a SetPodCIDRs, ResetPodCIDRs or reload changed them."""
+        try:
+            self.emit_properties_changed({"PodCIDRs": list(self.pod_cidrs.cidrs),
+                                          "PodCIDRsSource": self.pod_cidrs.source})
+        except Exception as e:  # as for on_state: the connection is gone
+            log.info("PropertiesChanged not sent, the bus connection is gone: %s", e)
+
     def on_check(self, outcome: Outcome) -> None:
         """Checks listener: AttachmentDrifted on each pass → fail transition."""
         if not outcome.drifted or outcome.repair:
@@ -373,6 +382,11 @@ class AgentInterface(ServiceInterface):
     @signature(returns="as")
     def PodCIDRs(self) -> list[str]:
         return list(self.pod_cidrs.cidrs)
+
+    @dbus_property(access=PropertyAccess.READ)
+    @signature(returns="s")
+    def PodCIDRsSource(self) -> str:
+        return self.pod_cidrs.source
 
     @dbus_property(access=PropertyAccess.READ)
     @signature(returns="s")
@@ -474,12 +488,17 @@ class AgentInterface(ServiceInterface):
     @signature("as")
     async def SetPodCIDRs(self, cidrs: list[str]) -> None:
         async def work() -> None:
-            before = self.pod_cidrs.cidrs
-            after = await self.pod_cidrs.set(cidrs)
-            if after != before:
-                self.emit_properties_changed({"PodCIDRs": list(after)})
+            await self.pod_cidrs.set(cidrs)  # its listener announces a change
 
         await self._serve("SetPodCIDRs", work)
+
+    @method()
+    @signature()
+    async def ResetPodCIDRs(self) -> None:
+        async def work() -> None:
+            await self.pod_cidrs.reset()
+
+        await self._serve("ResetPodCIDRs", work)
 
     @method()
     @signature("as", returns="s")

@@ -1,7 +1,8 @@
 """A reload (SIGHUP, `Reload`): which re-read keys take effect at once.
 
 The ones that only steer what happens next do (the default network, the
-monitor's timing, who may call, the log level, the drain); the others name
+monitor's timing, who may call, the log level, the drain, the pod CIDRs
+given to the next ADDs); the others name
 resources already in use (directories, the bus, the HTTP listener, the
 runtime's deadlines) and wait for a restart, which the log says.
 """
@@ -15,7 +16,7 @@ from cni_agent.config import AgentConfig, config_keys
 
 log = logging.getLogger(__name__)
 
-LIVE = ("default_network", "monitor", "access", "log_level", "shutdown_drain")
+LIVE = ("default_network", "monitor", "access", "log_level", "shutdown_drain", "pod_cidrs")
 
 
 def changed_keys(old: AgentConfig, new: AgentConfig) -> list[str]:
