@@ -307,3 +307,28 @@ async def test_old_version_is_ready_when_valid_without_status(env: Env) -> None:
     m = await env.start()
     assert await m.wait_ready(5)
     assert "STATUS" not in env.control.commands()
+
+
+async def test_status_answers_during_a_drain_come_from_the_last_verdict(env: Env) -> None:
+    """Shutting down, the public state is "shutting down"; a runtime's STATUS
+    while ADDs are still served (the drain) gets the networks' own answers."""
+    env.write("10-a.conflist", "alpha")
+    env.write("20-b.conflist", "beta")
+    m = await env.start()
+    await until(lambda: m.unready_reason("beta") == "" and m.ready)
+    m.begin_shutdown()
+    assert m.unready_reason() == "shutting down" and m.unready_reason("beta") == "shutting down"
+    assert m.unready_reason(serving=True) == "" and m.unready_reason("beta", serving=True) == ""
+    assert "network gamma not found" in m.unready_reason("gamma", serving=True)
+
+
+async def test_wait_decided_returns_with_the_first_verdict_or_its_bound(env: Env) -> None:
+    env.control.set("STATUS", "succeed", sleep=0.5)
+    env.write("10-a.conflist", "alpha")
+    m = await env.start()
+    assert m.unready_reason() == "not checked yet"
+    await m.wait_decided(0.05)  # the bound: returns undecided
+    assert m.unready_reason() == "not checked yet"
+    await m.wait_decided(10)
+    assert m.unready_reason() == "" and m.ready
+    await m.wait_decided(10)  # decided: at once

@@ -83,6 +83,9 @@ class Monitor:
         self._clock = clock
 
         self.state = STARTING
+        # The last decision, published or not: what a drain still serves by.
+        self._live = STARTING
+        self._decided = asyncio.Event()
         self._networks: dict[str, NetworkConfigList] = {}
         self._default: NetworkConfigList | None = None
         self._scan: Scan | None = None
@@ -127,14 +130,17 @@ class Monitor:
     def networks(self) -> tuple[NetworkConfigList, ...]:
         return tuple(self._networks.values())
 
-    def unready_reason(self, name: str = "") -> str:
+    def unready_reason(self, name: str = "", *, serving: bool = False) -> str:
         """Why network `name` ("" = the default) cannot serve ADD now; "" when it can.
 
         The answer of a runtime's STATUS through the shim: from the last
         decision and the last answers, so it never waits on a plugin.
+        `serving`: the agent still serves ADDs though it is shutting down (the
+        drain), so the answer is the network's own, not "shutting down".
         """
-        st = self.state
-        if self._stopped or st is STARTING or not name or name == st.default_network:
+        stopping = self._stopped and not serving
+        st = self._live if self._stopped and serving else self.state
+        if stopping or st is STARTING or not name or name == st.default_network:
             return "" if st.ready else (st.last_error or st.status)
         if name not in self._networks:
             bad = next((b for b in st.invalid if b.name == name), None)
@@ -146,6 +152,15 @@ class Monitor:
             return f"network {name}: not checked yet"
         failure = dict(st.network_errors).get(name)
         return f"network {name}: {failure}" if failure else ""
+
+    async def wait_decided(self, timeout: float) -> None:
+        """Until the first verdict (or shutdown), at most `timeout` seconds: a
+        question asked at start-up gets the answer, not "not checked yet"."""
+        if self._decided.is_set():
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await self._decided.wait()
 
     def subscribe(self, listener: Listener) -> Callable[[], None]:
         """Call `listener(state)` on every change, in order; returns an unsubscribe."""
@@ -207,6 +222,7 @@ class Monitor:
         if self._stopped:
             return
         self._stopped = True
+        self._decided.set()  # nothing more will be decided for those waiting
         self._publish(STOPPED)
         for fut in list(self._waiters):
             if not fut.done():
@@ -356,6 +372,8 @@ class Monitor:
         if healthy != self._healthy:
             log.info("%s", state.status)
         self._healthy = healthy
+        self._live = state
+        self._decided.set()
         if became_ready:
             self._ever_ready = True
         if self._stopped:

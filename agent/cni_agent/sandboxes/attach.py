@@ -96,6 +96,11 @@ class Attachments:
     def __init__(self, manager: SandboxManager) -> None:
         self.m = manager
 
+    @property
+    def accepting(self) -> bool:
+        """Whether new ADDs are served: also during a shutdown's drain."""
+        return self.m.accepting
+
     # --- ADD ------------------------------------------------------------------------
 
     async def attach(self, req: AttachRequest) -> dict[str, Any]:

@@ -232,10 +232,14 @@ class ShimCalls:
     """Serves `CNICall`: one method for every verb of the shim."""
 
     def __init__(self, attachments: Attachments, monitor: Monitor,
-                 on_call: Callable[[str, int], None] = lambda command, code: None) -> None:
+                 on_call: Callable[[str, int], None] = lambda command, code: None,
+                 first_verdict: float = 10.0) -> None:
         self.attachments = attachments
         self.monitor = monitor
         self._on_call = on_call  # (command, 0 or the CNI error code): metrics
+        # How long a STATUS at start-up waits for the first verdict (timeouts.status:
+        # the default network's first STATUS is due by then).
+        self._first_verdict = first_verdict
 
     async def handle(self, env: Mapping[str, str], config: str) -> Answer:
         try:
@@ -255,7 +259,12 @@ class ShimCalls:
         if call.command == "VERSION":
             return version_answer(call.cni_version)
         if call.command == "STATUS":
-            reason = self.monitor.unready_reason(call.network)
+            # Across a restart a runtime must not see a network outage that is
+            # only ours: just started, we answer once we know; draining, we
+            # answer as we still serve ADDs (by the network's last verdict).
+            await self.monitor.wait_decided(self._first_verdict)
+            reason = self.monitor.unready_reason(
+                call.network, serving=self.attachments.accepting)
             if reason:
                 return error_answer(CODE_NOT_AVAILABLE, reason, version=call.cni_version)
             return Answer(0, "")

@@ -175,9 +175,15 @@ def parse_options(options: Mapping[str, Any], known: Sequence[str] = tuple(OPTIO
     return out
 
 
+# Calls that only read: a runtime or a monitor polling them says nothing about
+# work to come, so they never hold a drain up (CNICall STATUS and VERSION too).
+READS = frozenset({"WaitReady", "Show", "ListSandboxes"})
+
+
 class InFlight:
     """Counts requests being served, so shutdown can wait for them, and when the
-    last call arrived or ended, so an idle drain can end early."""
+    last call that changes something arrived or ended, so an idle drain can end
+    early (a poller of STATUS or the properties must not hold a restart up)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.count = 0
@@ -187,17 +193,16 @@ class InFlight:
         self._idle.set()
 
     def touch(self) -> None:
-        """A call arrived (any method on our object, property reads included)."""
+        """A call that changes something arrived, or was answered (a caller's
+        next call tends to follow its last answer)."""
         self.last_activity = self._clock()
 
     def __enter__(self) -> None:
         self.count += 1
-        self.touch()
         self._idle.clear()
 
     def __exit__(self, *exc: object) -> None:
         self.count -= 1
-        self.touch()  # a caller's next call tends to follow its last answer
         if self.count == 0:
             self._idle.set()
 
@@ -252,7 +257,6 @@ class AgentInterface(ServiceInterface):
         """
         if msg.message_type is not MessageType.METHOD_CALL or msg.path != OBJECT_PATH:
             return None
-        self.in_flight.touch()
         self._caller.set(msg.sender)
         self._fds.set(tuple(fd for fd in msg.unix_fds if isinstance(fd, int)))
         self._interactive.set(bool(msg.flags & MessageFlag.ALLOW_INTERACTIVE_AUTHORIZATION))
@@ -269,7 +273,10 @@ class AgentInterface(ServiceInterface):
         result = "Cancelled"  # the caller left or we are stopping, unless set below
         # dbus-fast runs the handler as the message is read: this is its arrival.
         arrived = time.monotonic()
+        work_to_come = mutating and name not in READS
         with self.in_flight:
+            if work_to_come:
+                self.in_flight.touch()
             try:
                 if mutating:
                     self._uid.set(await self.authorizer.require(
@@ -294,6 +301,8 @@ class AgentInterface(ServiceInterface):
                 for fd in self._fds.get():
                     with contextlib.suppress(OSError):
                         os.close(fd)
+                if work_to_come:
+                    self.in_flight.touch()
                 self._on_operation(name, result, time.monotonic() - arrived)
 
     async def _privileged(self, what: str) -> bool:

@@ -98,6 +98,6 @@ def build_core(cfg: AgentConfig, executor: Executor | None = None) -> Core:
                         concurrency=cfg.check.concurrency)
     manager.on_set_up = drift.baseline
     attachments = Attachments(manager)
-    shim = ShimCalls(attachments, monitor, on_call=metrics.shim_call)
+    shim = ShimCalls(attachments, monitor, on_call=metrics.shim_call, first_verdict=t.status)
     return Core(runtime, monitor, journal, locks, reaper, pod_cidrs, manager, attachments, shim,
                 metrics, checks, drift)
