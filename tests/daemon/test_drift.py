@@ -410,4 +410,9 @@ def test_the_check_cli_reports_drift_and_exits_1(
     rows = json.loads(cli(agent, "check", "good", "--json").stdout)["attachments"]
     assert [(r["sandbox"], r["state"], r["drifted_now"]) for r in rows] == [("good", "ok", False)]
     assert state(agent, "bad") == "drifted"  # what the CLI found is what Show says
+    # `show` says so too, in its text; a sandbox that has not drifted, nothing more.
+    shown = cli(agent, "show", "bad").stdout.splitlines()
+    assert len(shown) == 1 and shown[0].startswith("pods  eth0  ") and "  drifted (CHECK failed at " \
+        in shown[0] and "bridge" in shown[0], shown
+    assert cli(agent, "show", "good").stdout.splitlines() == [f"pods  eth0  {addresses(good)[0]}"]
     assert cli(agent, "check", "nosuch").returncode == 1

@@ -65,14 +65,27 @@ def format_pod_cidrs(st: AgentStatus) -> str:
     return f"Pod CIDRs: {_list(st.pod_cidrs)}\nSource:    {source}"
 
 
+def _drift_note(check: Any) -> str:
+    """What an operator must notice about an attachment: its CHECK passed before
+    and fails now (the other states are `cni-agent check`'s to show)."""
+    if not isinstance(check, Mapping) or check.get("state") != "drifted":
+        return ""
+    since = f" at {check['last_check']}" if check.get("last_check") else ""
+    return f"  drifted (CHECK failed{since}: {check.get('reason') or 'no reason given'})"
+
+
 def format_attachments(result: SandboxResult) -> str:
-    """One aligned line per attachment: network, ifname, addresses."""
-    rows = [(a.network, a.ifname, ", ".join(a.addresses) or "-") for a in result.attachments]
+    """One aligned line per attachment: network, ifname, addresses, and drift."""
+    docs = result.document.get("attachments") or []
+    checks = [d.get("check") if isinstance(d, Mapping) else None for d in docs]
+    checks += [None] * (len(result.attachments) - len(checks))
+    rows = [(a.network, a.ifname, ", ".join(a.addresses) or "-", _drift_note(c))
+            for a, c in zip(result.attachments, checks, strict=False)]
     if not rows:
         return ""
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)
-    text = "\n".join(f"{n:<{w0}}  {i:<{w1}}  {addrs}" for n, i, addrs in rows)
+    text = "\n".join(f"{n:<{w0}}  {i:<{w1}}  {addrs}{note}" for n, i, addrs, note in rows)
     if damaged := result.document.get("damaged_record"):
         text += f"\n(the sandbox's record was damaged: {damaged}; shown from its cache entries)"
     return text
