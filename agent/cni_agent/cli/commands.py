@@ -423,7 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _command(sub, "show", "show a sandbox's cached attachments", """
         Show the cached result of sandbox ID, one line per attachment: network, interface,
         addresses, and for an attachment that drifted (its CHECK passed before and fails
-        now) the time and message of the failing CHECK.""", "  $ cni-agent show pod-1 --json | jq '.attachments[].result.ips'",
+        now) the time and message of the failing CHECK.""",
+        "  $ cni-agent show pod-1 --json | jq '.attachments[].result.ips'",
         _show, "the agent's result, as for setup --json")
     p.add_argument("id", metavar="ID", help="the sandbox ID")
     _command(sub, "list", "list the sandboxes that have cached attachments", """
