@@ -339,12 +339,16 @@ def load_config(path: str | None = None, *, dirs: Sequence[str] = (USR_DIR, ETC_
 POD_CIDRS_FILE = "pod-cidrs.json"  # in state_dir: SetPodCIDRs' value, which overrides pod_cidrs
 
 
+def pod_cidrs_path(state_dir: str) -> str:
+    return os.path.join(state_dir, POD_CIDRS_FILE)
+
+
 def saved_pod_cidrs(state_dir: str) -> tuple[str, ...] | None:
     """The pod CIDRs SetPodCIDRs saved, which override the `pod_cidrs` key;
     None when nothing is saved. ValueError when the file is unusable (a
     damaged file must not decide the node's ranges: the config's stand);
     PermissionError when the caller may not read it (not root)."""
-    path = os.path.join(state_dir, POD_CIDRS_FILE)
+    path = pod_cidrs_path(state_dir)
     try:
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)
@@ -354,10 +358,7 @@ def saved_pod_cidrs(state_dir: str) -> tuple[str, ...] | None:
         raise
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: unreadable ({e})") from None
-    cidrs = doc.get("cidrs") if isinstance(doc, dict) else None
-    if not isinstance(cidrs, list) or not all(isinstance(c, str) for c in cidrs):
-        raise ValueError(f"{path}: no list of CIDRs under \"cidrs\"")
-    try:
-        return tuple(str(ipaddress.ip_network(c, strict=False)) for c in cidrs)
-    except ValueError:
-        raise ValueError(f"{path}: holds something that is not a CIDR") from None
+    try:  # checked as the pod_cidrs key is
+        return _str_list(path, "cidrs", doc.get("cidrs") if isinstance(doc, dict) else None, _cidr)
+    except ConfigFileError as e:
+        raise ValueError(str(e)) from None

@@ -188,6 +188,7 @@ class Attachment:
     network: str
     ifname: str
     result: Mapping[str, Any]
+    check: Mapping[str, Any] | None = None  # Show's check state (absent from Setup's)
 
     @property
     def addresses(self) -> tuple[str, ...]:
@@ -206,7 +207,8 @@ class SandboxResult:
     def parse(cls, text: str) -> SandboxResult:
         try:
             doc = json.loads(text)
-            atts = tuple(Attachment(str(a["network"]), str(a["ifname"]), a.get("result") or {})
+            atts = tuple(Attachment(str(a["network"]), str(a["ifname"]), a.get("result") or {},
+                                    a.get("check") if isinstance(a.get("check"), Mapping) else None)
                          for a in doc["attachments"])
             return cls(str(doc["sandbox"]), atts, doc)
         except (ValueError, TypeError, KeyError, AttributeError) as e:

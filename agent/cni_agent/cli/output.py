@@ -65,10 +65,10 @@ def format_pod_cidrs(st: AgentStatus) -> str:
     return f"Pod CIDRs: {_list(st.pod_cidrs)}\nSource:    {source}"
 
 
-def _drift_note(check: Any) -> str:
+def _drift_note(check: Mapping[str, Any] | None) -> str:
     """What an operator must notice about an attachment: its CHECK passed before
     and fails now (the other states are `cni-agent check`'s to show)."""
-    if not isinstance(check, Mapping) or check.get("state") != "drifted":
+    if check is None or check.get("state") != "drifted":
         return ""
     since = f" at {check['last_check']}" if check.get("last_check") else ""
     return f"  drifted (CHECK failed{since}: {check.get('reason') or 'no reason given'})"
@@ -76,11 +76,8 @@ def _drift_note(check: Any) -> str:
 
 def format_attachments(result: SandboxResult) -> str:
     """One aligned line per attachment: network, ifname, addresses, and drift."""
-    docs = result.document.get("attachments") or []
-    checks = [d.get("check") if isinstance(d, Mapping) else None for d in docs]
-    checks += [None] * (len(result.attachments) - len(checks))
-    rows = [(a.network, a.ifname, ", ".join(a.addresses) or "-", _drift_note(c))
-            for a, c in zip(result.attachments, checks, strict=False)]
+    rows = [(a.network, a.ifname, ", ".join(a.addresses) or "-", _drift_note(a.check))
+            for a in result.attachments]
     if not rows:
         return ""
     w0 = max(len(r[0]) for r in rows)

@@ -4,13 +4,12 @@ and what overrides a key at run time (a saved SetPodCIDRs value hides `pod_cidrs
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
-from cni_agent.config import DEFAULT, POD_CIDRS_FILE, AgentConfig, config_keys, saved_pod_cidrs
+from cni_agent.config import DEFAULT, AgentConfig, config_keys, pod_cidrs_path, saved_pod_cidrs
 
 
 @dataclass(frozen=True)
@@ -37,7 +36,7 @@ class SavedPodCIDRs:
 
 
 def saved(cfg: AgentConfig) -> SavedPodCIDRs:
-    path = os.path.join(cfg.state_dir, POD_CIDRS_FILE)
+    path = pod_cidrs_path(cfg.state_dir)
     try:
         return SavedPodCIDRs(path, saved_pod_cidrs(cfg.state_dir))
     except PermissionError:

@@ -19,7 +19,7 @@ from typing import Any
 
 from cni_agent.cni.cache import atomic_write, fsync_dir
 from cni_agent.cni.errors import InvalidArgument
-from cni_agent.config import POD_CIDRS_FILE, saved_pod_cidrs
+from cni_agent.config import pod_cidrs_path, saved_pod_cidrs
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def _text(cidrs: Sequence[str]) -> str:
 
 class PodCIDRs:
     def __init__(self, state_dir: str, configured: Sequence[str] = ()) -> None:
-        self.path = os.path.join(state_dir, POD_CIDRS_FILE)
+        self.path = pod_cidrs_path(state_dir)
         self.configured = tuple(configured)
         self._saved: tuple[str, ...] | None = None
         # One change at a time: the file and the value in memory must agree.
@@ -96,7 +96,7 @@ class PodCIDRs:
         self._say_overridden()
         self._announce(before)
 
-    async def set(self, cidrs: Sequence[str]) -> tuple[str, ...]:
+    async def set(self, cidrs: Sequence[str]) -> None:
         value = normalize(cidrs)
         data = json.dumps({"cidrs": list(value)}).encode()
 
@@ -110,9 +110,8 @@ class PodCIDRs:
             self._saved = value
         self._say_overridden()
         self._announce(before)
-        return value
 
-    async def reset(self) -> tuple[str, ...]:
+    async def reset(self) -> None:
         """Drop the saved value: the config's `pod_cidrs` are in effect again."""
         def remove() -> bool:
             try:
@@ -130,4 +129,3 @@ class PodCIDRs:
             log.info("pod CIDRs: the saved value (%s) is dropped; the configuration's are in "
                      "effect: %s", _text(dropped or ()), _text(self.configured))
         self._announce(before)
-        return self.configured
