@@ -8,6 +8,7 @@ the ipRanges each ADD is given.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -186,3 +187,20 @@ def test_bad_pod_cidrs_arguments_are_usage_errors(args: list[str], message: str)
                           "--bus", "unix:path=/nonexistent"], capture_output=True, text=True,
                          timeout=30)
     assert out.returncode == 2 and message in out.stderr, out
+
+
+def test_a_kill_9_right_after_a_set_or_a_reset_keeps_what_was_answered(
+    make_agent: Callable[..., Agent], testnet: Callable[..., Path],
+) -> None:
+    """The answer a caller got is what a restart finds: both changes are on disk
+    before SetPodCIDRs and ResetPodCIDRs reply."""
+    testnet()
+    agent = make_agent(pod_cidrs=["10.244.1.0/24"])
+    agent.call("SetPodCIDRs", "as", "1", "10.244.7.0/24")
+    agent.stop(signal.SIGKILL)
+    agent.start()
+    assert agent.prop("PodCIDRs") == ["10.244.7.0/24"] and agent.prop("PodCIDRsSource") == "saved"
+    agent.call("ResetPodCIDRs")
+    agent.stop(signal.SIGKILL)
+    agent.start()
+    assert agent.prop("PodCIDRs") == ["10.244.1.0/24"] and agent.prop("PodCIDRsSource") == "config"

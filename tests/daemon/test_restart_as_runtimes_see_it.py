@@ -137,3 +137,16 @@ def test_a_status_at_start_up_waits_for_the_first_verdict(
     control.set("STATUS", "fail", code=50, msg="the uplink is down", sleep=1.0)
     reply = _start_and_ask_status_at_once(agent)
     assert reply.code == 50 and "the uplink is down" in reply.out["msg"], reply
+
+
+def test_a_status_at_start_up_is_answered_within_timeouts_status_when_no_verdict_comes(
+    make_agent: Callable[..., Agent], testnet: Callable[..., Path], control: Control,
+) -> None:
+    """The wait for the first verdict is bounded: a network whose first STATUS
+    hangs gets the runtime an answer (not ready), not a call that never returns."""
+    testnet(plugins=[plug(control)])
+    control.set("STATUS", "hang")
+    agent = make_agent(start=False, timeouts={"ready": 2, "lock": 5, "status": 1})
+    reply = _start_and_ask_status_at_once(agent)
+    assert reply.code == 50, reply
+    assert agent.prop("NetworkReady") is False
