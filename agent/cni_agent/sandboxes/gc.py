@@ -25,8 +25,9 @@ import logging
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
-from cni_agent.cni.cache import CachedAttachment
+from cni_agent.cni.cache import CachedAttachment, ResultCache
 from cni_agent.cni.config import NetworkConfigList
+from cni_agent.cni.errors import CNIError
 from cni_agent.cni.logctx import log_fields
 from cni_agent.cni.result import version_at_least
 from cni_agent.node.blocking import UNANSWERED
@@ -131,17 +132,24 @@ class Reaper:
             except Exception:  # a pass that broke must not end all later ones
                 log.exception("reaping pass failed; the next one runs in %gs", self.interval)
 
-    async def collect(self, valid_ids: Collection[str] | None = None, verbs: bool = True
-                      ) -> GCReport:
+    async def collect(self, valid_ids: Collection[str] | None = None, verbs: bool = True, *,
+                      owner: int | None = None, prefix: str = "") -> GCReport:
         """Reap stale attachments and (with `verbs`) send GC; `valid_ids`
-        overrides liveness detection."""
+        overrides liveness detection.
+
+        With `owner`, only that uid's sandboxes (those whose ids begin
+        `prefix`) are looked at, and no GC verb is sent. Whether a sandbox is
+        reaped is decided under its lock: never one set up after this call
+        arrived, never another owner's, whatever the snapshot said.
+        """
+        since = self.journal.generation
         await self.recovered.wait()
         report = GCReport()
-        snap = await asyncio.to_thread(self._snapshot)
+        snap = await asyncio.to_thread(self._snapshot, prefix)
         candidates = await self._candidates(snap, valid_ids, report)
         for sid in candidates:
-            await self._reap(sid, valid_ids, report, wait=0)
-        if verbs:
+            await self._reap(sid, valid_ids, report, wait=0, since=since, owner=owner)
+        if verbs and owner is None:
             await self._send_gc_verbs([n for n in self._networks() if self._gc_verb(n.name)],
                                       report)
         for err in report.errors:
@@ -155,12 +163,13 @@ class Reaper:
     async def release(self, origin: str, valid: Collection[tuple[str, str]]) -> GCReport:
         """A runtime's GC through the shim: DEL what its network `origin` made and
         no longer lists as (sandbox, ifname). A busy sandbox is left for its next GC."""
+        since = self.journal.generation
         await self.recovered.wait()
         report = GCReport()
         records, _ = await asyncio.to_thread(self.journal.store.all)
         for rec in sorted(records, key=lambda r: r.sandbox_id):
             if _released(rec, origin, valid):
-                await self._release(rec.sandbox_id, origin, valid, report)
+                await self._release(rec.sandbox_id, origin, valid, report, since)
         if report.deleted:
             log.info("gc of %s: removed %d attachment(s) it no longer lists", origin,
                      len(report.deleted))
@@ -177,13 +186,13 @@ class Reaper:
                 yield
 
     async def _release(self, sid: str, origin: str, valid: Collection[tuple[str, str]],
-                       report: GCReport) -> None:
+                       report: GCReport, since: int) -> None:
         try:
             async with self._hold(sid, 0):
                 with log_fields(SANDBOX_ID=sid):
                     rec, entries = await self.journal.view(sid)
                     doomed = _released(rec, origin, valid) if rec is not None else set()
-                    if rec is None or not doomed:
+                    if rec is None or not doomed or self.journal.born_after(sid, since):
                         return
                     async with self.journal.live_netns(rec, entries) as ns:
                         left, errors = await self.journal.remove(rec, doomed, ns, entries)
@@ -205,11 +214,19 @@ class Reaper:
 
     # --- what to look at ---------------------------------------------------------
 
-    def _snapshot(self) -> _Snapshot:
-        records, bad = self.journal.store.all()
+    def _snapshot(self, prefix: str = "") -> _Snapshot:
+        """The records (of the ids beginning `prefix`) and cache entries (all of
+        them, or only those records' when a prefix narrows it to one owner)."""
+        records, bad = self.journal.store.all(prefix)
         entries: dict[str, list[CachedAttachment]] = {}
-        for e in self.journal.runtime.cache.all():
-            entries.setdefault(e.container_id, []).append(e)
+        if prefix:
+            cache = self.journal.runtime.cache
+            for r in records:
+                entries[r.sandbox_id] = [e for a in r.attachments
+                                         if (e := _read(cache, a.network, r.sandbox_id, a.ifname))]
+        else:
+            for e in self.journal.runtime.cache.all():
+                entries.setdefault(e.container_id, []).append(e)
         return _Snapshot({r.sandbox_id: r for r in records}, entries, bad)
 
     async def _candidates(self, snap: _Snapshot, valid_ids: Collection[str] | None,
@@ -255,11 +272,15 @@ class Reaper:
     # --- one sandbox, under its lock ----------------------------------------------
 
     async def _reap(self, sid: str, valid_ids: Collection[str] | None, report: GCReport,
-                    wait: float) -> None:
+                    wait: float, since: int | None = None, owner: int | None = None) -> None:
         try:
             async with self._hold(sid, wait):
                 with log_fields(SANDBOX_ID=sid):
                     rec, entries = await self.journal.view(sid)
+                    if since is not None and self.journal.born_after(sid, since):
+                        return  # set up after this GC arrived: not for it to judge
+                    if owner is not None and (rec is None or rec.owner != owner):
+                        return  # another owner's: a caller's GC speaks for its own only
                     async with self.journal.live_netns(rec, entries) as ns:
                         await self._reap_locked(sid, rec, entries, ns, valid_ids, report)
         except LockTimeout:
@@ -353,6 +374,13 @@ def _released(rec: SandboxRecord, origin: str, valid: Collection[tuple[str, str]
     return {a.ifname for a in rec.attachments
             if a.origin == origin and a.phase is Phase.READY
             and (rec.sandbox_id, a.ifname) not in valid}
+
+
+def _read(cache: ResultCache, network: str, sid: str, ifname: str) -> CachedAttachment | None:
+    try:
+        return cache.read(network, sid, ifname)
+    except CNIError:
+        return None
 
 
 def _in(rec: SandboxRecord | None, entry: CachedAttachment) -> bool:

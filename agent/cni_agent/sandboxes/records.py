@@ -264,18 +264,20 @@ class SandboxStore:
         except FileNotFoundError:
             return
 
-    def ids(self) -> list[str]:
+    def ids(self, prefix: str = "") -> list[str]:
+        """The ids of the records (those beginning `prefix`)."""
         try:
             names = os.listdir(self.dir)
         except FileNotFoundError:
             return []
         return sorted(n[: -len(".json")] for n in names
-                      if n.endswith(".json") and not n.startswith("."))
+                      if n.endswith(".json") and not n.startswith(".") and n.startswith(prefix))
 
-    def all(self) -> tuple[list[SandboxRecord], list[str]]:
-        """Every readable record, and the ids of unreadable ones."""
+    def all(self, prefix: str = "") -> tuple[list[SandboxRecord], list[str]]:
+        """Every readable record (of the ids beginning `prefix`), and the ids
+        of unreadable ones."""
         records, bad = [], []
-        for sid in self.ids():
+        for sid in self.ids(prefix):
             try:
                 rec = self.read(sid)
             except CacheError:

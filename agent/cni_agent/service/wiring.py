@@ -24,9 +24,16 @@ from cni_agent.sandboxes.gc import Reaper, gc_verb_allowed
 from cni_agent.sandboxes.journal import Journal
 from cni_agent.sandboxes.manager import SandboxManager
 from cni_agent.sandboxes.manager import Timeouts as SandboxTimeouts
+from cni_agent.sandboxes.policy import Policy
 from cni_agent.sandboxes.records import SandboxStore
 from cni_agent.service.cnicall import ShimCalls
 from cni_agent.service.metrics import Metrics
+
+
+def policy_of(cfg: AgentConfig) -> Policy:
+    """`access.*`: what callers that are not root may use."""
+    a = cfg.access
+    return Policy.of(a.networks, a.capabilities, a.max_sandboxes)
 
 
 def instance_of(cfg: AgentConfig) -> str:
@@ -93,7 +100,7 @@ def build_core(cfg: AgentConfig, executor: Executor | None = None) -> Core:
     checks = Checks(journal, repair=cfg.check.repair)
     checks.subscribe(metrics.check)
     manager = SandboxManager(journal, monitor, locks, reaper, pod_cidrs,
-                             SandboxTimeouts(lock=t.lock, ready=t.ready), checks)
+                             SandboxTimeouts(lock=t.lock, ready=t.ready), checks, policy_of(cfg))
     drift = DriftPasses(manager, interval=cfg.check.interval,
                         concurrency=cfg.check.concurrency)
     manager.on_set_up = drift.baseline
