@@ -47,7 +47,7 @@ pytestmark = pytest.mark.root
 IFACE = "org.cniagent.Agent1"
 PATH = "/org/cniagent/Agent1"
 NO_AUTO_START = 0x2
-EXAMPLES = 250
+EXAMPLES = 350
 RSS_GROWTH = 20 * 1024  # KiB
 # Drawn now and then; the explicit examples go up to dbus-daemon's
 # max_message_size (32 MiB). Each costs the bus and the agent about a second.

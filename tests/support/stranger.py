@@ -4,6 +4,7 @@ and its memory, from /proc."""
 
 from __future__ import annotations
 
+import atexit
 import collections
 import json
 import os
@@ -53,6 +54,7 @@ def readable_dbus_fast() -> Path:
     """
     if not _LIBRARY:
         top = Path(tempfile.mkdtemp(prefix="cni-agent-dbus-fast-"))
+        atexit.register(shutil.rmtree, top, ignore_errors=True)
         shutil.copytree(Path(dbus_fast.__file__).parent, top / "dbus_fast",
                         ignore=shutil.ignore_patterns("__pycache__"))
         for path in [top, *top.rglob("*")]:
