@@ -12,6 +12,7 @@ from bench import (
     detection,
     durability,
     footprint,
+    hostile,
     overhead,
     real_plugins,
     shim,
@@ -27,4 +28,5 @@ BENCHMARKS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "durability": durability.run,
     "cri": cri.run,
     "checks": checks.run,
+    "hostile": hostile.run,
 }
