@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import os
 import signal
@@ -64,6 +65,19 @@ def _close_on_exec_inherited() -> None:
         if fd > 2:
             with contextlib.suppress(OSError):
                 os.set_inheritable(fd, False)
+
+
+# glibc raises its mmap threshold to the largest block freed (up to 32 MiB):
+# after one huge message (anyone may send 32 MiB through the bus), every later
+# big buffer comes from the heap, and the heap rarely shrinks. A fixed
+# threshold keeps big blocks mmapped, so they go back to the system when freed.
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD = 128 * 1024
+
+
+def _return_big_blocks_to_the_system() -> None:
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: its own policy
+        ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
 
 
 def _prepare_dirs(cfg: AgentConfig) -> None:
@@ -169,6 +183,7 @@ class Daemon:
         # Plugins inherit it (posix_spawn takes no cwd); every configured path is absolute.
         os.chdir("/")
         _close_on_exec_inherited()
+        _return_big_blocks_to_the_system()
         try:
             await asyncio.to_thread(_prepare_dirs, self.cfg)
             state_lock = lock_state_dir(self.cfg.state_dir)

@@ -8,6 +8,7 @@ contract's error names with a message a person can act on.
 from __future__ import annotations
 
 import asyncio
+import gc
 import inspect
 import json
 import logging
@@ -240,7 +241,8 @@ class AgentInterface(ServiceInterface):
         self.in_flight = InFlight()
         self.limits = StrangerLimits()
         # The bus's message handler: descriptors and strangers' rates (gate.py).
-        self.gate = Gate(authorizer, self.limits, SIGNATURES)
+        self.gate = Gate(authorizer, self.limits, SIGNATURES, OPTION_KEYS)
+        self._collecting: asyncio.TimerHandle | None = None
         self._shown = monitor.state
         pod_cidrs.subscribe(self.on_pod_cidrs)
 
@@ -261,8 +263,6 @@ class AgentInterface(ServiceInterface):
         try:
             caller = await self.authorizer.identify(info.sender, name)
             with self._bounded(caller, info.counted):
-                if info.carried and not info.fds and not caller.root:
-                    raise _invalid(name, "takes no file descriptors")
                 caller = await self.authorizer.authorize(caller, info.sender, name, scope,
                                                          info.interactive)
                 if caller.role is Role.STRANGER:  # a read, within the stranger's bounds
@@ -272,22 +272,39 @@ class AgentInterface(ServiceInterface):
             value = await self._counted(name, scope, lambda: work(caller))
             result = "ok"
             return value
-        except AgentError as e:
-            err = _error(e)
-            result = _short(err)
-            raise err from None
-        except DBusError as e:
-            result = _short(e)
-            raise
         except Exception as e:
-            if not isinstance(e, InvalidArgument):
-                log.exception("%s failed unexpectedly", name)
-            err = _error(classify(e))
+            if isinstance(e, AgentError):
+                err = _error(e)
+            elif isinstance(e, DBusError):
+                err = e
+            else:
+                if not isinstance(e, InvalidArgument):
+                    log.exception("%s failed unexpectedly", name)
+                err = _error(classify(e))
             result = _short(err)
-            raise err from None
+            if not info.wants_reply:  # nobody to tell (dbus-fast would log it as a crash)
+                log.debug("%s (no reply expected) failed: %s", name, err.text)
+                return None
+            try:
+                raise err from None
+            finally:  # the traceback holds this frame: no cycle keeping the call's arguments
+                del err, e
         finally:
             close_all(info.fds)
+            if info.big:
+                self._collect_soon()
             self._on_operation(name, result, time.monotonic() - arrived)
+
+    def _collect_soon(self) -> None:
+        """A huge call (anyone may send 32 MiB) is kept alive after its answer by
+        the reference cycles an error's traceback makes (dbus-fast's future and
+        its callback): collect them once it has been answered."""
+        if self._collecting is None:
+            def collect() -> None:
+                self._collecting = None
+                gc.collect()
+
+            self._collecting = asyncio.get_running_loop().call_later(0.05, collect)
 
     @contextmanager
     def _bounded(self, caller: Caller, counted: bool) -> Iterator[None]:
