@@ -19,6 +19,11 @@ netns (made outside the timing). Then bursts of 20 pods at once, each way.
 The agent's CPU per shim call is the time on CPU of all its threads
 (/proc/PID/task/*/schedstat) across the pod's three calls, divided by three;
 its plugins' CPU is not in it (the same in both ways).
+
+"libcni", when tools/build-crio has built bench/libcni_anchor.go: CRI-O's own
+CNI code (libcni in one Go process) running the same chain's ADD, CHECK, DEL
+on a third bridge, serial rounds only. Its own CPU per call is the baseline
+for the agent's: spawning and reaping the plugins costs either process alike.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from bench.anchor import Anchor, anchor_binary
 from bench.harness import CallFailed, DirectChain, Lab, delete_link, proc_cpu_ns, unique
 from bench.report import figure, ratio, result
 from cni_agent.cni.runtime import plugin_stdin
@@ -45,10 +51,10 @@ from tests.support.plugins import write_conf
 from tests.support.shim import SHIM
 
 PLUGINS_191 = CACHE / "cni-plugins-1.9.1"
-SUBNETS = {"direct": "10.232.0.0/22", "shim": "10.233.0.0/22"}
+SUBNETS = {"direct": "10.232.0.0/22", "shim": "10.233.0.0/22", "libcni": "10.231.0.0/22"}
 GOAL_CPU_MS = 1.5  # the agent's CPU per shim call
 GOAL_POD, STRETCH_POD = 1.10, 1.05  # per-pod wall, shim / direct
-WAYS = ("direct", "shim")
+WAYS = ("direct", "shim")  # and "libcni", when the anchor is built
 VERBS = ("ADD", "CHECK", "DEL")
 # What CRI-O sends on every pod; libcni passes it only to a plugin that declares it.
 RUNTIME_CONFIG = {"cgroupPath": "/kubepods/besteffort/pod-bench",
@@ -141,7 +147,9 @@ def run(smoke: bool) -> dict[str, Any]:
     plugins, version = ((PLUGINS_191, "1.1.0") if (PLUGINS_191 / "portmap").exists()
                         else (Path("/usr/lib/cni"), "1.0.0"))
     with Lab("crio") as lab:
-        bridges = {way: unique("cp") for way in WAYS}
+        binary = anchor_binary()
+        ways = (*WAYS, "libcni") if binary is not None and binary.exists() else WAYS
+        bridges = {way: unique("cp") for way in ways}
         lab.cleanups += [functools.partial(delete_link, b) for b in bridges.values()]
         ipam = lab.tmp / "ipam"
         agent_net = chain("podnet", bridges["shim"], SUBNETS["shim"], ipam, version)
@@ -157,22 +165,36 @@ def run(smoke: bool) -> dict[str, Any]:
             "direct": DirectPod(chain("crio", bridges["direct"], SUBNETS["direct"], ipam, version),
                                 [str(plugins)]),
             "shim": ShimPod(conf, lab.bus.address)}
+        if binary is not None and "libcni" in ways:
+            anchor_conf = write_conf(lab.tmp, "libcni.conflist", chain(
+                "crio-libcni", bridges["libcni"], SUBNETS["libcni"], ipam, version))
+            anchor = Anchor(binary, anchor_conf, plugins, lab.tmp / "libcni-cache")
+            lab.cleanups.append(anchor.close)
+            calls["libcni"] = anchor
         samples = measure(lab, calls, agent.proc.pid, rounds, warmup, bursts, size)
         samples["shim.exec_cpu"] = calls["shim"].shim_cpu
-        leftover = allocations(ipam, "crio") + allocations(ipam, "podnet")
+        leftover = (allocations(ipam, "crio") + allocations(ipam, "podnet")
+                    + allocations(ipam, "crio-libcni"))
     return report(samples, leftover, plugins, version, size)
 
 
 def measure(lab: Lab, calls: dict[str, Any], agent_pid: int, rounds: int, warmup: int,
             bursts: int, size: int) -> dict[str, list[float]]:
-    s: dict[str, list[float]] = {f"{way}.{what}": [] for way in WAYS
+    ways = tuple(calls)
+    s: dict[str, list[float]] = {f"{way}.{what}": [] for way in ways
                                  for what in ("pod", "burst", *VERBS)}
     s.update({"agent.cpu_per_call": [], **{f"agent.cpu.{v}": [] for v in VERBS}})
     n = 0
     for i in range(warmup + rounds):
-        spaces = {way: lab.netns.add() for way in WAYS}
-        for way in WAYS[i % 2:] + WAYS[:i % 2]:
+        spaces = {way: lab.netns.add() for way in ways}
+        for way in ways[i % len(ways):] + ways[:i % len(ways)]:
             n += 1
+            if way == "libcni":  # one request runs the whole pod
+                t0 = time.perf_counter()
+                calls[way].run("pod", spaces[way])
+                if i >= warmup:
+                    s["libcni.pod"].append((time.perf_counter() - t0) * 1000)
+                continue
             times: dict[str, float] = {}
             cpu = AgentCPU(agent_pid)
             call = cpu.wrap(calls[way].call) if way == "shim" else calls[way].call
@@ -186,9 +208,11 @@ def measure(lab: Lab, calls: dict[str, Any], agent_pid: int, rounds: int, warmup
                     for verb in VERBS:
                         s[f"agent.cpu.{verb}"].append(cpu.per_verb[verb])
         lab.netns.close()  # every pod's DEL is done: the namespaces go
+    if "libcni" in calls:
+        s["libcni.cpu_per_call"] = [ms / len(VERBS) for ms in calls["libcni"].cpu[warmup:]]
     calls["shim"].count_cpu = False
     with ThreadPoolExecutor(size) as pool:
-        for i in range(bursts):
+        for i in range(bursts):  # the anchor runs one pod at a time: not in bursts
             for way in WAYS[i % 2:] + WAYS[:i % 2]:
                 netns = lab.netns.many(size)
                 names = [f"burst-{way}-{i}-{k}" for k in range(size)]
@@ -237,6 +261,20 @@ def report(s: dict[str, list[float]], leftover: list[str], plugins: Path, versio
                               note=f"{verb} through the shim; direct "
                                    f"{statistics.median(s[f'direct.{verb}']):.1f} ms; agent CPU "
                                    f"{statistics.median(s[f'agent.cpu.{verb}']):.2f} ms"))
+    if s.get("libcni.pod"):
+        r = ratio(s["shim.pod"], s["libcni.pod"])
+        libcni_cpu = statistics.median(s["libcni.cpu_per_call"])
+        figures += [
+            figure("cri.crio_pattern.pod_vs_libcni", s["shim.pod"], ratio=r,
+                   goal=f"goal ratio ≤ {GOAL_POD:g} (stretch ≤ {STRETCH_POD:g})",
+                   passed=r <= GOAL_POD,
+                   note=f"per pod, against CRI-O's libcni in one Go process: "
+                        f"{statistics.median(s['libcni.pod']):.1f} ms"),
+            figure("cri.crio_pattern.libcni_cpu", s["libcni.cpu_per_call"],
+                   ratio=cpu / libcni_cpu if libcni_cpu else None,
+                   note="libcni's own CPU per call (its process, getrusage; spawning and reaping "
+                        "the plugins included, as in the agent's); ratio: the agent's against it"),
+        ]
     figures += [
         figure("cri.crio_pattern.burst", s["shim.burst"], ratio=ratio(s["shim.burst"], s["direct.burst"]),
                note=f"{size} pods at once (ADD+CHECK+DEL each); direct "

@@ -1,15 +1,18 @@
-// libcni-anchor: the anchor of bench/overhead.py's libcni figures. One Go
-// process embedding libcni, as containerd and CRI-O do, running a conflist's
-// ADD then DEL (AddNetworkList, DelNetworkList: cache written and removed)
-// once per line it reads.
+// libcni-anchor: the anchor of bench/overhead.py's and bench/crio_pattern.py's
+// libcni figures. One Go process embedding libcni, as containerd and CRI-O
+// do, running a conflist once per line it reads:
+//
+//	pair NETNS   ADD then DEL (AddNetworkList, DelNetworkList)
+//	pod NETNS    ADD, CHECK, DEL, as CRI-O runs a pod: with CRI-O's CNI_ARGS
+//	             and runtimeConfig (cgroupPath, pod annotations)
 //
 //	libcni-anchor CONFLIST PLUGIN_DIR CACHE_DIR
 //
-// Each stdin line is a netns path; for each it prints "WALL_NS CPU_NS": the
-// pair's wall time and this process's own CPU over it (getrusage: all its
-// threads, not the plugins, which are the same for every way). Built by
-// tools/build-crio against CRI-O's vendored libcni (go build -overlay), so no
-// module is fetched.
+// For each line it prints "WALL_NS CPU_NS": the wall time and this process's
+// own CPU over it (getrusage: all its threads, not the plugins', which are
+// the same for every way; but the kernel's work of spawning and reaping them
+// is this process's, as it is the agent's). Built by tools/build-crio against
+// CRI-O's vendored libcni (go build -overlay), so no module is fetched.
 package main
 
 import (
@@ -17,6 +20,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"strings"
 	"syscall"
 	"time"
 
@@ -46,11 +50,27 @@ func main() {
 	in := bufio.NewScanner(os.Stdin)
 	out := bufio.NewWriter(os.Stdout)
 	for n := 0; in.Scan(); n++ {
-		rt := &libcni.RuntimeConf{ContainerID: fmt.Sprintf("anchor-%d", n), NetNS: in.Text(), IfName: "eth0"}
+		mode, netns, _ := strings.Cut(in.Text(), " ")
+		id := fmt.Sprintf("anchor-%d", n)
+		rt := &libcni.RuntimeConf{ContainerID: id, NetNS: netns, IfName: "eth0"}
+		if mode == "pod" { // as CRI-O's ocicni builds it
+			rt.Args = [][2]string{{"IgnoreUnknown", "1"}, {"K8S_POD_NAMESPACE", "bench"},
+				{"K8S_POD_NAME", id}, {"K8S_POD_INFRA_CONTAINER_ID", id}, {"K8S_POD_UID", "uid-" + id}}
+			rt.CapabilityArgs = map[string]interface{}{
+				"cgroupPath":                        "/kubepods/besteffort/pod-bench",
+				"io.kubernetes.cri.pod-annotations": map[string]string{"kubernetes.io/config.source": "api"},
+			}
+		}
 		c0, t0 := cpuNs(), time.Now()
 		if _, err := cni.AddNetworkList(ctx, list, rt); err != nil {
 			fmt.Fprintln(os.Stderr, "ADD:", err)
 			os.Exit(1)
+		}
+		if mode == "pod" {
+			if err := cni.CheckNetworkList(ctx, list, rt); err != nil {
+				fmt.Fprintln(os.Stderr, "CHECK:", err)
+				os.Exit(1)
+			}
 		}
 		if err := cni.DelNetworkList(ctx, list, rt); err != nil {
 			fmt.Fprintln(os.Stderr, "DEL:", err)

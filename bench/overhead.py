@@ -17,55 +17,20 @@ within 7 % of it) and say so.
 from __future__ import annotations
 
 import asyncio
-import os
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
+from bench.anchor import Anchor, anchor_binary
 from bench.harness import Client, DirectChain, Lab, busctl, conflist, interleave, proc_cpu_ns
 from bench.report import figure, ratio, result
-from tests.cri.containerd import CACHE
 from tests.support.plugins import write_conf
 
 GOAL_RATIO, GOAL_MS = 1.15, 3.0
 GOAL_CPU_RATIO = 1.5
 GOAL_LIBCNI_RATIO = 1.5  # the agent's Setup+Teardown against libcni's ADD+DEL
 SID = "bench-overhead"
-
-
-def anchor_binary() -> Path | None:
-    """The libcni anchor tools/build-crio built (CNI_AGENT_LIBCNI_ANCHOR names another)."""
-    named = os.environ.get("CNI_AGENT_LIBCNI_ANCHOR")
-    if named:
-        return Path(named)
-    built = sorted((CACHE / "crio").glob("*/libcni-anchor"), key=lambda p: p.stat().st_mtime)
-    return built[-1] if built else None
-
-
-class Anchor:
-    """The libcni anchor process: one ADD+DEL pair per netns path written to it."""
-
-    def __init__(self, binary: Path, conflist: Path, plugin_dir: Path, cache_dir: Path) -> None:
-        self.proc = subprocess.Popen([str(binary), str(conflist), str(plugin_dir), str(cache_dir)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.cpu: list[float] = []  # its own CPU per pair, ms
-
-    def pair(self, netns: str) -> None:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(netns + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"libcni-anchor exited {self.proc.wait()}")
-        self.cpu.append(int(line.split()[1]) / 1e6)
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        self.proc.wait(10)
 
 
 def run(smoke: bool) -> dict[str, Any]:
@@ -118,7 +83,7 @@ def run(smoke: bool) -> dict[str, Any]:
         if binary is not None and binary.exists():
             anchor = Anchor(binary, conf_file, lab.bin, lab.tmp / "libcni-cache")
             lab.cleanups.append(anchor.close)
-            ways["libcni"] = lambda: anchor.pair(ns) if anchor else None
+            ways["libcni"] = lambda: anchor.run("pair", ns) if anchor else None
 
         def forget_warmup() -> None:
             for series in cpu.values():
