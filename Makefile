@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: all setup system venv shim test test-systemd lint unit-py313 run run-system deb rpm-spec-check bench bench-smoke soak clean
+.PHONY: all setup system venv shim test test-systemd test-crio lint unit-py313 run run-system deb rpm-spec-check bench bench-smoke soak clean
 
 all: setup
 
@@ -61,6 +61,18 @@ endif
 # and once with dbus-broker; the report is out/systemd-status.txt.
 test-systemd: deb
 	tools/test-systemd
+
+# tests/cri against CRI-O instead of containerd: CRI-O is in no Debian suite, so
+# tools/build-crio builds it (cached) from a source tree of github.com/cri-o/cri-o
+# with Go >= 1.26.4 (GO=PATH, default Debian unstable's, extracted into the test
+# tools cache). Not part of `make test`: CI machines reach no source repository.
+CRIO_SRC ?=
+GO ?=
+test-crio: setup $(SHIM)
+	@test -n "$(CRIO_SRC)" || { echo "usage: make test-crio CRIO_SRC=DIR [GO=PATH]" >&2; exit 2; }
+	@dir=$$(tools/build-crio "$(CRIO_SRC)" $(GO)) && \
+		echo "CRI-O: $$dir/crio ($$($$dir/crio --version 2>/dev/null | head -n 1))" && \
+		CNI_AGENT_CRI_RUNTIME=crio CNI_AGENT_CRIO_DIR=$$dir $(PY) -m pytest -v tests/cri $(PYTEST_ARGS)
 
 # Benchmarks: one table and out/bench.json (BENCH_ARGS="--only NAME" for one).
 BENCH_ARGS ?=

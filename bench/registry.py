@@ -9,6 +9,7 @@ from bench import (
     checks,
     concurrency,
     cri,
+    crio_pattern,
     detection,
     durability,
     footprint,
@@ -27,6 +28,7 @@ BENCHMARKS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "footprint": footprint.run,
     "durability": durability.run,
     "cri": cri.run,
+    "crio_pattern": crio_pattern.run,
     "checks": checks.run,
     "hostile": hostile.run,
 }

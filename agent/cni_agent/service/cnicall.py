@@ -123,7 +123,13 @@ def parse_cni_args(text: str) -> tuple[tuple[str, str], ...]:
 
 
 def _valid_attachments(conf: Mapping[str, Any]) -> frozenset[tuple[str, str]]:
-    raw = conf.get(VALID_ATTACHMENTS_KEY, conf.get(LEGACY_ATTACHMENTS_KEY, []))
+    """The spec's list; null or absent is the empty list: libcni marshals a Go
+    nil slice as null, which is what CRI-O sends when it starts with no pods."""
+    raw = conf.get(VALID_ATTACHMENTS_KEY)
+    if raw is None:
+        raw = conf.get(LEGACY_ATTACHMENTS_KEY)
+    if raw is None:
+        raw = []
     if not isinstance(raw, list):
         raise Refusal(CODE_INVALID_CONFIG, f"{VALID_ATTACHMENTS_KEY} must be a list")
     out = set()
