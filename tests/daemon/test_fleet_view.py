@@ -30,6 +30,8 @@ from tests.support.prometheus import Prometheus, free_port, has_number
 from tests.support.promql import selectors
 from tests.support.shim import run_shim, shim_conf
 
+pytestmark = pytest.mark.root
+
 MONITORING = REPO / "packaging" / "monitoring"
 RULES = MONITORING / "cni-agent-alerts.yml"
 DASHBOARD = MONITORING / "cni-agent-dashboard.json"
@@ -99,7 +101,7 @@ def test_dashboard_queries_and_alert_rules_work_on_a_live_agent(
     port = free_port()
     agent = make_agent(http={"listen": f"127.0.0.1:{port}"},
                        check={"interval": 1, "repair": True}, gc={"interval": 1},
-                       timeouts={"ready": 2, "lock": 5, "add": 1})
+                       timeouts={"ready": 2, "lock": 5, "add": 2})
     prom = prometheus_for(port)
     prom.wait('up{job="cni-agent"} == 1')
     start = time.time()
