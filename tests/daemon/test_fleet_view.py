@@ -116,7 +116,7 @@ def test_dashboard_queries_and_alert_rules_work_on_a_live_agent(
             agent.call("Teardown", "ssa{sv}", "a", a, "0")
             for command in ("ADD", "DEL"):
                 assert run_shim(agent.bus.address, command, conf, cid="k", netns=k).rc == 0
-            prom.wait('cni_agent_shim_call_duration_seconds_count{command="DEL"}')
+            prom.wait('cni_agent_shim_calls_total{command="DEL"}')
     agent.call("Teardown", "ssa{sv}", "a", a, "0")
     for command in ("ADD", "DEL"):
         assert run_shim(agent.bus.address, command, conf, cid="k", netns=k).rc == 0
@@ -145,12 +145,11 @@ def test_dashboard_queries_and_alert_rules_work_on_a_live_agent(
     doomed = netns_factory()
     agent.setup("doomed", doomed)
     subprocess.run(["ip", "netns", "delete", Path(doomed).name], check=True)
-    prom.wait('cni_agent_reaping_passes_total{freed="yes"} > 0')
+    prom.wait('cni_agent_gc_attachments_total{how="deleted"} > 0')
 
     # A Teardown whose DEL fails: c stays tearing-down.
     control.set("DEL", "fail", code=11, msg="the IPAM store is read-only")
     assert "PluginFailed" in agent.gdbus("Teardown", "c", c, "{}").stderr
-    prom.wait("cni_agent_sandboxes_tearing_down > 0")
 
     # A configuration file that does not load, and a second network failing STATUS.
     (agent.conf_dir / "70-broken.conflist").write_text("{ not json")
