@@ -14,7 +14,8 @@ all: setup
 setup: system venv
 
 # System packages, and the test tools cached in /var/cache/cni-agent-tests:
-# promtool, containerd 2.x for tests/cri (both extracted from Debian packages).
+# promtool and the Prometheus server (the monitoring tests), containerd 2.x for
+# tests/cri (all extracted from Debian packages).
 system:
 	@tools/setup-system
 
@@ -95,7 +96,7 @@ rpm-spec-check: system
 
 # The agent on a private bus with the built-in default network; Ctrl-C cleans up.
 # Only what running needs: no test toolchain (podman, debootstrap, rpm,
-# debhelper, promtool, containerd), no test libraries in the venv.
+# debhelper, promtool, prometheus, containerd), no test libraries in the venv.
 RUN_STAMP := $(VENV)/.run-stamp
 run: $(RUN_STAMP)
 	@$(PY) tools/dev-run
