@@ -80,6 +80,7 @@ class Reaper:
         retry_delay: float = 30.0,
         interval: float = 0.0,
         on_report: Callable[[GCReport], None] = lambda report: None,
+        on_pass: Callable[[GCReport], None] = lambda report: None,
         order: Sequencer | None = None,
     ) -> None:
         self.journal = journal
@@ -94,6 +95,7 @@ class Reaper:
         self._verb_wait = verb_wait
         self._retry_delay = retry_delay
         self._on_report = on_report  # metrics
+        self._on_pass = on_pass  # metrics: each periodic pass
         # Set once start-up recovery is over: no sandbox operation runs before.
         self.recovered = asyncio.Event()
         self._retry: asyncio.Task[None] | None = None
@@ -128,7 +130,7 @@ class Reaper:
         while True:
             await asyncio.sleep(self.interval)
             try:
-                await self.collect(verbs=False)
+                self._on_pass(await self.collect(verbs=False))
             except Exception:  # a pass that broke must not end all later ones
                 log.exception("reaping pass failed; the next one runs in %gs", self.interval)
 

@@ -95,7 +95,8 @@ def build_core(cfg: AgentConfig, executor: Executor | None = None) -> Core:
     reaper = Reaper(journal, locks, netlocks, monitor.networks,
                     gc_verb=gc_verb_allowed(cfg.gc.networks), lock_timeout=t.lock,
                     verb_wait=min(t.lock, 10.0), interval=cfg.gc.interval,
-                    on_report=lambda r: metrics.gc_report(len(r.deleted), len(r.rolled_back)))
+                    on_report=lambda r: metrics.gc_report(len(r.deleted), len(r.rolled_back)),
+                    on_pass=lambda r: metrics.reaping_pass(bool(r.deleted or r.rolled_back)))
     pod_cidrs = PodCIDRs(cfg.state_dir, cfg.pod_cidrs)
     checks = Checks(journal, repair=cfg.check.repair)
     checks.subscribe(metrics.check)
