@@ -32,6 +32,7 @@ from cni_agent.api import (
     OBJECT_PATH,
     AgentError,
     ErrorKind,
+    wire_text,
 )
 from cni_agent.cni.args import PodMeta, validate_container_id
 from cni_agent.cni.errors import InvalidArgument
@@ -92,7 +93,23 @@ def signature(*params: str, returns: str = "") -> Callable[[F], F]:
 
 
 def _error(e: AgentError) -> DBusError:
-    return DBusError(ERROR_PREFIX + str(e.kind), e.message)
+    return DBusError(ERROR_PREFIX + str(e.kind), wire_text(e.message))
+
+
+def _sendable(value: Any) -> Any:
+    """`value` if D-Bus can carry it, else a named error: dbus-fast marshals a
+    reply in a callback, where a NUL or a lone surrogate in a string fails it
+    (5.x answers a generic ServiceError, 1.84 with a traceback). Our results
+    are ASCII JSON and checked ids, so this only catches a defect; it costs
+    a scan of the strings, not a second marshalling."""
+    if isinstance(value, str):
+        if (not value.isascii() or "\0" in value) and wire_text(value, len(value)) != value:
+            raise AgentError(ErrorKind.PLUGIN_FAILED, "internal error: the reply holds text "
+                             f"D-Bus cannot carry: {wire_text(value, 200)}")
+    elif isinstance(value, list):
+        for item in value:
+            _sendable(item)
+    return value
 
 
 def _short(e: DBusError) -> str:
@@ -281,7 +298,7 @@ class AgentInterface(ServiceInterface):
                 if mutating:
                     self._uid.set(await self.authorizer.require(
                         self._caller.get(), name, self._interactive.get()))
-                value = await work()
+                value = _sendable(await work())
                 result = "ok"
                 return value
             except AgentError as e:
@@ -316,13 +333,13 @@ class AgentInterface(ServiceInterface):
         if old.ready != state.ready:
             changed["NetworkReady"] = state.ready
         if old.status != state.status:
-            changed["Status"] = state.status
+            changed["Status"] = wire_text(state.status)
         if old.default_network != state.default_network:
             changed["DefaultNetwork"] = state.default_network
         if old.networks != state.networks:
             changed["Networks"] = list(state.networks)
         if old.last_error != state.last_error:
-            changed["LastError"] = state.last_error
+            changed["LastError"] = wire_text(state.last_error)
         if not changed:
             return
         try:
@@ -350,7 +367,7 @@ class AgentInterface(ServiceInterface):
             return
         try:
             self.AttachmentDrifted(outcome.sandbox_id, outcome.network, outcome.ifname,
-                                   outcome.reason)
+                                   wire_text(outcome.reason))
         except Exception as e:  # as for PropertiesChanged: the connection is gone
             log.info("AttachmentDrifted not sent, the bus connection is gone: %s", e)
 
@@ -370,7 +387,7 @@ class AgentInterface(ServiceInterface):
     @dbus_property(access=PropertyAccess.READ)
     @signature(returns="s")
     def Status(self) -> str:
-        return self._shown.status
+        return wire_text(self._shown.status)
 
     @dbus_property(access=PropertyAccess.READ)
     @signature(returns="s")
@@ -385,7 +402,7 @@ class AgentInterface(ServiceInterface):
     @dbus_property(access=PropertyAccess.READ)
     @signature(returns="s")
     def LastError(self) -> str:
-        return self._shown.last_error
+        return wire_text(self._shown.last_error)
 
     @dbus_property(access=PropertyAccess.READ)
     @signature(returns="as")
