@@ -113,10 +113,10 @@ class Child:
             self._fill()
             actions: list[tuple[int, ...]] = [
                 (os.POSIX_SPAWN_DUP2, fd, i) for i, fd in enumerate(theirs)]
-            if _cloexec is not None:
-                _cloexec()
-            else:
+            if _CLOSEFROM is not None:
                 actions.append((_CLOSEFROM, 3))
+            elif _cloexec is not None:
+                _cloexec()
             self.pid = os.posix_spawn(binary, [binary], env, setsid=True,
                                       setsigdef=_DEFAULT_SIGNALS, file_actions=actions)
         except BaseException:
