@@ -160,6 +160,8 @@ class Leftovers:
         strangers = self._our_children() - self._running.keys() - self._reaping.keys()
         strangers.discard(pid)
         mine: list[Left] = []
+        if self._killed:  # forget those their own dying parents reaped
+            self._killed = {p for p in self._killed if os.path.exists(f"/proc/{p}")}
         if not strangers:
             return mine
         in_flight = set(self._running.values()) - {token}
