@@ -7,14 +7,15 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: all setup system venv shim test test-systemd lint unit-py313 run run-system deb rpm-spec-check bench bench-smoke soak clean
+.PHONY: all setup system venv shim test test-systemd test-crio lint unit-py313 run run-system deb rpm-spec-check bench bench-smoke soak clean
 
 all: setup
 
 setup: system venv
 
 # System packages, and the test tools cached in /var/cache/cni-agent-tests:
-# promtool, containerd 2.x for tests/cri (both extracted from Debian packages).
+# promtool and the Prometheus server (the monitoring tests), containerd 2.x for
+# tests/cri (all extracted from Debian packages).
 system:
 	@tools/setup-system
 
@@ -62,6 +63,18 @@ endif
 test-systemd: deb
 	tools/test-systemd
 
+# tests/cri against CRI-O instead of containerd: CRI-O is in no Debian suite, so
+# tools/build-crio builds it (cached) from a source tree of github.com/cri-o/cri-o
+# with Go >= 1.26.4 (GO=PATH, default Debian unstable's, extracted into the test
+# tools cache). Not part of `make test`: CI machines reach no source repository.
+CRIO_SRC ?=
+GO ?=
+test-crio: setup $(SHIM)
+	@test -n "$(CRIO_SRC)" || { echo "usage: make test-crio CRIO_SRC=DIR [GO=PATH]" >&2; exit 2; }
+	@dir=$$(tools/build-crio "$(CRIO_SRC)" $(GO)) && \
+		echo "CRI-O: $$dir/crio ($$($$dir/crio --version 2>/dev/null | head -n 1))" && \
+		CNI_AGENT_CRI_RUNTIME=crio CNI_AGENT_CRIO_DIR=$$dir $(PY) -m pytest -v tests/cri $(PYTEST_ARGS)
+
 # Benchmarks: one table and out/bench.json (BENCH_ARGS="--only NAME" for one).
 BENCH_ARGS ?=
 bench: setup $(SHIM)
@@ -83,7 +96,7 @@ rpm-spec-check: system
 
 # The agent on a private bus with the built-in default network; Ctrl-C cleans up.
 # Only what running needs: no test toolchain (podman, debootstrap, rpm,
-# debhelper, promtool, containerd), no test libraries in the venv.
+# debhelper, promtool, prometheus, containerd), no test libraries in the venv.
 RUN_STAMP := $(VENV)/.run-stamp
 run: $(RUN_STAMP)
 	@$(PY) tools/dev-run

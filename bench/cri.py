@@ -103,7 +103,8 @@ def run(smoke: bool) -> dict[str, Any]:
         (nodes["own"].conf_dir / "10-pods.conflist").write_bytes(
             chain("pods", bridges["own"], SUBNETS["own"], ipam, version))
         conf = subprocess.run([sys.executable, "-m", "cni_agent", "shim-config", "--runtime",
-                               "containerd", "--network", "podnet", "--name", "pods"],
+                               "containerd", "--network", "podnet", "--name", "pods",
+                               "--config", str(agent.config_path)],
                               capture_output=True, text=True, check=True).stdout
         (nodes["shim"].conf_dir / "10-pods.conflist").write_text(conf)
         try:

@@ -62,7 +62,14 @@ class TimeoutsConfig:
 
 @dataclass(frozen=True)
 class AccessConfig:
+    # Besides root, these groups' members may set up sandboxes (their own).
     groups: tuple[str, ...] = ("cni-agent",)
+    # What callers that are not root may use: these networks (default none:
+    # the admin opens them), these capabilities (default none: portMappings,
+    # ips, mac, ipRanges, … reach host-wide state), and this many sandboxes per uid.
+    networks: tuple[str, ...] = ()
+    capabilities: tuple[str, ...] = ()
+    max_sandboxes: int = 16
 
 
 @dataclass(frozen=True)
@@ -236,6 +243,12 @@ def _positive_int(source: str, key: str, value: Any) -> int:
     return value
 
 
+def _count(source: str, key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise _fail(source, key, f"must be a whole number of at least 0, not {value!r}")
+    return value
+
+
 def _log_level(source: str, key: str, value: Any) -> str:
     text = _string(source, key, value).lower()
     if text not in LOG_LEVELS:
@@ -261,7 +274,8 @@ _SECTIONS: dict[str, tuple[type[Any], Mapping[str, _Check]]] = {
                                 "grace_period": _duration}),
     "timeouts": (TimeoutsConfig, {"del" if f.name == "delete" else f.name: _duration
                                   for f in dataclasses.fields(TimeoutsConfig)}),
-    "access": (AccessConfig, {"groups": _str_list}),
+    "access": (AccessConfig, {"groups": _str_list, "networks": _str_list,
+                              "capabilities": _str_list, "max_sandboxes": _count}),
     "gc": (GCConfig, {"networks": _str_list, "interval": _duration}),
     "check": (CheckConfig, {"interval": _duration, "repair": _bool,
                             "concurrency": _positive_int}),

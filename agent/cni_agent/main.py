@@ -14,7 +14,8 @@ from cni_agent.cli.commands import main as commands
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return commands(argv, run_daemon=run_daemon, run_config=run_config)
+    return commands(argv, run_daemon=run_daemon, run_config=run_config,
+                    read_capabilities=read_capabilities)
 
 
 def run_daemon(config: str | None, bus: str | None) -> int:
@@ -28,3 +29,10 @@ def run_config(verb: str, config: str | None, as_json: bool) -> int:
     from cni_agent.offline.command import run
 
     return run(verb, config, as_json)
+
+
+def read_capabilities(config: str | None, network: str) -> tuple[frozenset[str] | None, str]:
+    """`cni-agent shim-config`: what the agent network's plugins declare, read offline."""
+    from cni_agent.offline.capabilities import network_capabilities
+
+    return network_capabilities(config, network)

@@ -137,6 +137,10 @@ class Containerd:
             self.proc.kill()
             self.proc.wait()
 
+    def load_image(self, archive: Path) -> None:
+        """The pause image, from an OCI archive: no registry, no pull."""
+        self.ctr("images", "import", str(archive))
+
     def ctr(self, *args: str) -> str:
         p = subprocess.run([str(BIN / "ctr"), "--address", self.socket, "--namespace", "k8s.io", *args],
                            env=self.env, capture_output=True, text=True, timeout=60)

@@ -13,6 +13,7 @@ from tests.cri.wire import Message, encode, entries
 SERVICE = "/runtime.v1.RuntimeService/"
 PROTOCOLS = {"tcp": 0, "udp": 1, "sctp": 2}  # enum Protocol
 SANDBOX_READY = 0  # enum PodSandboxState
+NAMESPACE_CONTAINER = 1  # enum NamespaceMode
 
 
 @dataclass
@@ -37,12 +38,20 @@ class Pod:
     attempt: int = 0
     port_mappings: list[PortMapping] = field(default_factory=list)
     labels: dict[str, str] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
+    cgroup_parent: str = ""  # kubelet always sets one; the runtimes pass it as cgroupPath
 
     def encode(self) -> bytes:  # message PodSandboxConfig
         metadata = encode((1, self.name), (2, self.uid or f"uid-{self.name}"), (3, self.namespace),
                           (4, self.attempt))
+        # As kubelet for a pod that does not share its process namespace:
+        # NamespaceOption.pid = CONTAINER (CRI-O then runs no infra container).
+        namespaces = encode((2, NAMESPACE_CONTAINER))  # message NamespaceOption
+        security = encode((1, namespaces))  # message LinuxSandboxSecurityContext
+        linux = encode((1, self.cgroup_parent), (2, security))  # message LinuxPodSandboxConfig
         return encode((1, metadata), (2, self.name),
-                      *[(5, p.encode()) for p in self.port_mappings], *entries(6, self.labels))
+                      *[(5, p.encode()) for p in self.port_mappings], *entries(6, self.labels),
+                      *entries(7, self.annotations), (8, linux))
 
 
 @dataclass

@@ -1,17 +1,21 @@
-"""containerd 2.x's CRI, through the shim, as kubelet meets it: what `Status`,
-`RunPodSandbox`, `PodSandboxStatus`, `StopPodSandbox` and `RemovePodSandbox`
-answer, and what is left on the node (addresses, netns, DNAT rules).
+"""A CRI runtime's CRI (containerd 2.x; CRI-O under `make test-crio`), through
+the shim, as kubelet meets it: what `Status`, `RunPodSandbox`,
+`PodSandboxStatus`, `StopPodSandbox` and `RemovePodSandbox` answer, and what
+is left on the node (addresses, netns, DNAT rules).
 
 containerd runs with `restrict_oom_score_adj = true` only where root lacks
 CAP_SYS_RESOURCE, as on these VMs: there runc cannot give the sandbox the
 oom_score_adj of -998 containerd asks for and every RunPodSandbox fails
 ("can't get final child's PID from pipe: EOF"). tests/cri/containerd.py
-decides it from /proc/self/status.
+decides it from /proc/self/status. CRI-O runs no pod process
+(`drop_infra_ctr`), so it has no such case.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import json
+import os
 import subprocess
 import time
 from collections.abc import Callable
@@ -23,6 +27,8 @@ import pytest
 from tests.cri.conftest import SUBNET, Node, netns_addresses
 from tests.cri.containerd import has_cap_sys_resource
 from tests.cri.cri import Pod, PortMapping
+from tests.support.plugins import Control, install_plugin
+from tests.support.shim import run_shim
 
 pytestmark = pytest.mark.root
 
@@ -38,12 +44,15 @@ def until(what: Callable[[], bool], timeout: float) -> float:
 
 
 def dnat_rules() -> str:
-    """The portmap plugin's DNAT rules, as `iptables -t nat -S` lists them."""
+    """The host ports' NAT rules, as `iptables -t nat -S` lists them: the agent's
+    portmap plugin's (containerd passes portMappings) or CRI-O's own KUBE-HP-*
+    chains (CRI-O maps host ports itself and passes none to CNI)."""
     out = subprocess.run(["iptables", "-w", "-t", "nat", "-S"], capture_output=True, text=True,
                          check=True).stdout
-    return "\n".join(line for line in out.splitlines() if "DNAT" in line)
+    return "\n".join(line for line in out.splitlines() if "DNAT" in line or "--dport" in line)
 
 
+@pytest.mark.runtimes("containerd")
 def test_the_sandbox_gets_the_oom_score_this_node_allows(node: Node) -> None:
     # With CAP_SYS_RESOURCE containerd gives the pause process -998; without it
     # (restrict_oom_score_adj) no lower than its own, and the pod still runs.
@@ -56,6 +65,7 @@ def test_the_sandbox_gets_the_oom_score_this_node_allows(node: Node) -> None:
     node.cri.remove(sandbox)
 
 
+@pytest.mark.runtimes("containerd")
 def test_network_ready_follows_the_agent(node: Node) -> None:
     assert node.cri.network_ready()
     # The agent's network goes away: containerd's STATUS (1.1.0 list) says so.
@@ -93,23 +103,26 @@ def test_a_pod_gets_its_address_from_the_agent(node: Node) -> None:
     assert node.cri.sandboxes() == []
 
 
-def test_port_mappings_reach_the_agents_portmap(node: Node) -> None:
+def test_port_mappings_reach_the_pod(node: Node) -> None:
     sandbox = node.cri.run(Pod("web", port_mappings=[PortMapping(80, 18247)]))
     ip = node.cri.status(sandbox).ip
-    rules = [r for r in dnat_rules().splitlines() if "--dport 18247" in r]
-    assert rules and all(f"--to-destination {ip}:80" in r for r in rules), dnat_rules()
+    assert "--dport 18247" in dnat_rules() and f"--to-destination {ip}:80" in dnat_rules(), \
+        dnat_rules()
+    if node.runtime_name == "containerd":  # the agent's portmap made them
+        rules = [r for r in dnat_rules().splitlines() if "--dport 18247" in r and "DNAT" in r]
+        assert rules and all(f"--to-destination {ip}:80" in r for r in rules), dnat_rules()
     node.cri.stop(sandbox)
-    assert "--dport 18247" not in dnat_rules()
+    assert "--dport 18247" not in dnat_rules() and f"{ip}:80" not in dnat_rules()
     node.cri.remove(sandbox)
 
 
-def test_the_agent_and_containerd_restart_between_run_and_stop(node: Node) -> None:
+def test_the_agent_and_the_runtime_restart_between_run_and_stop(node: Node) -> None:
     sandbox = node.cri.run(Pod("web", port_mappings=[PortMapping(80, 18248)]))
     ip = node.cri.status(sandbox).ip
     node.restart_agent()
     assert node.cli("list").split() == [sandbox]  # its record outlived the agent
-    node.containerd.stop()
-    node.containerd.start()
+    node.runtime.stop()
+    node.runtime.start()
     until(node.cri.network_ready, 5)
     status = node.cri.status(sandbox)
     assert status.ready and status.ip == ip
@@ -136,3 +149,81 @@ def test_twenty_pods_at_once(node: Node) -> None:
         list(pool.map(node.cri.remove, sandboxes))
     assert node.allocations() == [] and node.cli("list").split() == []
     print(f"20 RunPodSandbox at once: {ran:.2f} s; 20 StopPodSandbox: {stopped:.2f} s")
+
+
+@pytest.mark.runtimes("crio")
+def test_crio_network_ready_follows_the_agent_at_its_own_poll(node: Node) -> None:
+    # CRI-O reports its own last STATUS poll: every 5 s, and only because the
+    # drop-in `shim-config --runtime crio --drop-in` prints (installed by the
+    # fixture as a user would) sets cni_status_grace_period to 1s; a failure
+    # is reported at the first poll after the grace: 5-10 s.
+    until(node.cri.network_ready, 10)
+    node.network_file.unlink()
+    gone = until(lambda: not node.cri.network_ready(), 15)
+    assert "network podnet not found" in node.cri.conditions()["NetworkReady"][1]
+    node.network_file.write_text(node.network)
+    back = until(node.cri.network_ready, 10)
+    assert node.agent.stop() == 0
+    stopped = until(lambda: not node.cri.network_ready(), 15)
+    assert "cni-agent is not running" in node.cri.conditions()["NetworkReady"][1]
+    node.agent.start()
+    started = until(node.cri.network_ready, 10)
+    print(f"CRI-O NetworkReady false {gone:.1f} s after the network went, true {back:.1f} s after "
+          f"it came back; false {stopped:.1f} s after the agent stopped, true {started:.1f} s "
+          "after it started")
+
+
+def test_pod_annotations_and_cgroup_path_reach_a_plugin_that_declares_them(
+        make_node: Callable[..., Node], tmp_path: Path) -> None:
+    # The shim's list declares what the agent network's plugins declare
+    # (shim-config reads the network), so the runtime passes them on.
+    control = Control(tmp_path / "podinfo.json")
+    node = make_node(first_plugins=[{
+        "type": "testplug", "control": str(control.path),
+        "capabilities": {"io.kubernetes.cri.pod-annotations": True, "cgroupPath": True}}])
+    install_plugin(node.agent.tmp / "bin", "testplug")
+    node.start()
+    declared = node.cli("shim-config", "--runtime", node.runtime_name, "--network", "podnet",
+                        "--config", str(node.agent.config_path))
+    assert '"io.kubernetes.cri.pod-annotations": true' in declared, declared
+    cgroup = f"/{node.pod_network}"  # as kubelet's /kubepods/…/pod<uid>, cgroupfs
+    try:
+        sandbox = node.cri.run(Pod("annotated", annotations={"example.com/team": "payments"},
+                                   cgroup_parent=cgroup))
+        [add] = [r for r in control.records() if r["command"] == "ADD"]
+        runtime_config = add["stdin"].get("runtimeConfig", {})
+        annotations = runtime_config.get("io.kubernetes.cri.pod-annotations", {})
+        assert annotations.get("example.com/team") == "payments", runtime_config
+        assert runtime_config.get("cgroupPath", "").startswith(cgroup), runtime_config
+        node.cri.stop(sandbox)
+        node.cri.remove(sandbox)
+    finally:
+        # Empty once the pod is gone: one per controller (v1), or one (v2).
+        for d in [*Path("/sys/fs/cgroup").glob(f"*{cgroup}"), Path(f"/sys/fs/cgroup{cgroup}")]:
+            if d.is_dir():
+                d.rmdir()
+    print(f"{node.runtime_name}: the plugin got runtimeConfig keys {sorted(runtime_config)}")
+
+
+@pytest.mark.runtimes("crio")
+def test_crio_gc_at_start_up_with_no_pods_releases_what_only_the_agent_knows(
+        make_node: Callable[..., Node]) -> None:
+    # CRI-O's state was wiped (or the node rebooted into a fresh one) while the
+    # agent kept an attachment made through CRI-O's network: CRI-O starts with
+    # no pods and sends GC with cni.dev/valid-attachments null.
+    node = make_node()
+    node.start(runtime=False)
+    netns = f"/run/netns/{node.bridge}gc"
+    subprocess.run(["ip", "netns", "add", os.path.basename(netns)], check=True)
+    try:
+        conf = json.loads(node.shim_conflist())
+        plugin = {"cniVersion": conf["cniVersion"], "name": conf["name"], **conf["plugins"][0]}
+        add = run_shim(node.agent.bus.address, "ADD", plugin, cid="orphan", netns=netns)
+        assert add.rc == 0, add
+        assert node.cli("list").split() == ["orphan"] and len(node.allocations()) == 1
+        node.start_runtime()
+        until(lambda: node.cli("list").split() == [], 20)
+        assert node.allocations() == [] and netns_addresses(netns) == []
+        assert "failed to GC" not in node.runtime.log(), node.runtime.log()
+    finally:
+        subprocess.run(["ip", "netns", "del", os.path.basename(netns)], capture_output=True)

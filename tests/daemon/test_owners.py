@@ -57,7 +57,7 @@ def links(pid: int) -> list[str]:
 @pytest.fixture
 def member_agent(make_agent: Callable[..., Agent], permissive_bus: Bus, bridge_chain: str,
                  member: str) -> Agent:
-    return make_agent(bus=permissive_bus, access={"groups": [member]})
+    return make_agent(bus=permissive_bus, access={"groups": [member], "networks": ["pods"]})
 
 
 def test_a_member_cannot_reach_a_namespace_it_cannot_open_itself(
@@ -115,10 +115,15 @@ def test_a_member_sets_up_and_tears_down_its_own_namespace(
         assert "eth0" in links(mine.pid)
         assert len(allocations(tmp_path / "ipam", "pods")) == 1
         assert cli(member_agent, member, "list").stdout.split() == ["m2"]
-        shown = json.loads(member_agent.call("Show", "s", "m2")[0])
+        uid = pwd.getpwnam(member).pw_uid
+        shown = json.loads(member_agent.call("Show", "s", f"cni-agent.u{uid}.m2")[0])
         assert shown["attachments"][0]["ifname"] == "eth0"
-        record = json.loads((tmp_path / "state" / "sandboxes" / "m2.json").read_text())
-        assert record["owner"] == pwd.getpwnam(member).pw_uid
+        assert json.loads(cli(member_agent, member, "show", "m2", "--json").stdout)["sandbox"] == "m2"
+        # Its ids are its own: on disk (and to root) they carry its uid.
+        record = json.loads((tmp_path / "state" / "sandboxes" / f"cni-agent.u{uid}.m2.json")
+                            .read_text())
+        assert record["owner"] == uid and record["sandbox"] == f"cni-agent.u{uid}.m2"
+        assert member_agent.call("ListSandboxes")[0] == [f"cni-agent.u{uid}.m2"]
         out = cli(member_agent, member, "teardown", "m2")
         assert out.returncode == 0, out
         assert links(mine.pid) == ["lo"] and allocations(tmp_path / "ipam", "pods") == []
@@ -129,8 +134,9 @@ def test_a_member_sets_up_and_tears_down_its_own_namespace(
 def test_roots_sandboxes_are_not_a_members_to_see_or_touch(
     member_agent: Agent, member: str, netns: str, tmp_path: Path,
 ) -> None:
+    """A member's ids are its own: naming root's sandbox reaches nothing of root's."""
     member_agent.setup("rootpod", netns)
-    for args in (("teardown", "rootpod"), ("show", "rootpod"), ("check", "rootpod", netns)):
+    for args in (("show", "rootpod"), ("check", "rootpod", netns)):
         out = cli(member_agent, member, *args)
         assert out.returncode == 4 and "access denied" in out.stderr, (args, out)
         assert "rootpod is not one of uid" in out.stderr
@@ -138,14 +144,26 @@ def test_roots_sandboxes_are_not_a_members_to_see_or_touch(
     nothing = cli(member_agent, member, "show", "nosuchpod")
     assert nothing.stderr.replace("nosuchpod", "X") == \
         cli(member_agent, member, "show", "rootpod").stderr.replace("rootpod", "X")
-    out = member_agent.gdbus("Detach", "rootpod", "", "", "eth0", "{}", user=member)
-    assert ERR + "AccessDenied" in out.stderr, out.stderr
+    # Its Teardown and Detach of "rootpod" are of its own (nothing): root's stays.
+    assert cli(member_agent, member, "teardown", "rootpod").returncode == 0
+    out = as_member_gdbus(member_agent, member, "Detach", "rootpod", "", "", "eth0", "{}")
+    assert out.returncode == 0, out.stderr
     # A member's GC list speaks for its own sandboxes only.
-    out = member_agent.gdbus("GarbageCollect", "@as []", user=member)
+    out = as_member_gdbus(member_agent, member, "GarbageCollect", "@as []")
     assert out.returncode == 0, out.stderr
     assert cli(member_agent, member, "list").stdout.split() == []
     assert member_agent.call("ListSandboxes")[0] == ["rootpod"]
     assert len(addresses(netns)) == 1 and len(allocations(tmp_path / "ipam", "pods")) == 1
+    assert json.loads(member_agent.call("Show", "s", "rootpod")[0])["state"] == "ready"
+
+
+def as_member_gdbus(agent: Agent, member: str, method: str, *args: str
+                    ) -> subprocess.CompletedProcess[str]:
+    """gdbus as `member`, with its groups (Agent.gdbus's user= drops them)."""
+    return subprocess.run([*as_member(member), "gdbus", "call", "--address", agent.bus.address,
+                           "--dest", "org.cniagent.Agent1", "--object-path",
+                           "/org/cniagent/Agent1", "--method", f"org.cniagent.Agent1.{method}",
+                           *args], capture_output=True, text=True, timeout=60)
 
 
 def test_callers_outside_the_group_are_bounded(

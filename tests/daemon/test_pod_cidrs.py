@@ -19,7 +19,7 @@ import pytest
 
 from tests.daemon.conftest import plug
 from tests.daemon.test_cli import cli, ok
-from tests.support.agent import Agent, Bus, as_user_python, member_cli
+from tests.support.agent import Agent, Bus, as_member, as_user_python, member_cli
 from tests.support.plugins import Control, wait_for
 
 pytestmark = pytest.mark.root
@@ -152,7 +152,7 @@ def test_a_file_zeroed_by_a_power_cut_is_ignored_said_and_reset(
     assert "# pod_cidrs:" not in config_show(agent)
 
 
-def test_only_root_or_members_may_reset(
+def test_only_root_may_change_or_reset_the_nodes_pod_cidrs(
     make_agent: Callable[..., Agent], testnet: Callable[..., Path], permissive_bus: Bus,
     member: str,
 ) -> None:
@@ -165,15 +165,22 @@ def test_only_root_or_members_may_reset(
                              "--reset"], capture_output=True, text=True, timeout=60)
     assert denied.returncode == 4 and "access denied" in denied.stderr, denied
     assert agent.prop("PodCIDRs") == ["10.244.7.0/24"] and agent.prop("PodCIDRsSource") == "saved"
-    # Anyone may read where they come from; a member of the access group may reset.
+    # Anyone may read where they come from; the node's ranges are root's alone,
+    # a member of the access group's too (they are every pod's addresses).
     assert agent.prop("PodCIDRsSource", user="nobody") == "saved"
-    out = member_cli(agent.bus.address, member, "pod-cidrs", "--reset")
-    assert out.returncode == 4, out  # not yet in the agent's access group (its default)
     agent.config["access"] = {"groups": [member]}
     agent.write_config()
     agent.call("Reload")
-    out = member_cli(agent.bus.address, member, "pod-cidrs", "--reset")
-    assert out.returncode == 0, out.stderr
+    for args in (["--reset"], ["10.99.0.0/24"]):
+        out = member_cli(agent.bus.address, member, "pod-cidrs", *args)
+        assert out.returncode == 4 and "changes the whole node: root's" in out.stderr, out
+    out = subprocess.run([*as_member(member), "gdbus", "call", "--address", agent.bus.address,
+                          "--dest", "org.cniagent.Agent1", "--object-path", "/org/cniagent/Agent1",
+                          "--method", "org.cniagent.Agent1.Reload"],
+                         capture_output=True, text=True, timeout=60)
+    assert ERR + "AccessDenied" in out.stderr and "root's" in out.stderr, out.stderr
+    assert agent.prop("PodCIDRs") == ["10.244.7.0/24"] and agent.prop("PodCIDRsSource") == "saved"
+    agent.call("ResetPodCIDRs")
     wait_for(lambda: agent.prop("PodCIDRsSource") == "config", timeout=5)
     assert agent.prop("PodCIDRs") == ["10.244.1.0/24"]
 

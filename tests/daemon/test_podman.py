@@ -48,7 +48,8 @@ def test_a_podman_container_gets_its_address_from_the_agent(
     agent = make_agent()
     # The conflist a user would paste: what `cni-agent shim-config` prints.
     (podman.net_dir / "pods.conflist").write_text(
-        cli(agent, "shim-config", "--runtime", "podman", "--network", "podnet", "--name", "pods"))
+        cli(agent, "shim-config", "--runtime", "podman", "--network", "podnet", "--name", "pods",
+            "--config", str(agent.config_path)))
     try:
         cid = podman("run", "-d", "--name", "web", "--network", "pods",
                      "--rootfs", str(podman.rootfs), "/bin/sleep", "600").stdout.strip()

@@ -158,6 +158,35 @@ def test_gc_removes_only_what_this_runtime_network_made_and_no_longer_lists(
     assert len(addresses(spaces["c1"])) == len(addresses(spaces["c4"])) == 1
 
 
+def test_a_gc_with_a_null_list_as_crio_sends_at_start_up_with_no_pods_keeps_none_of_its_own(
+    make_agent: Callable[..., Agent], bridges: Callable[..., str],
+    netns_factory: Callable[[], str], tmp_path: Path,
+) -> None:
+    # libcni marshals CRI-O's empty pod list (a Go nil slice) as null, under
+    # both keys: the spec's empty list, so every attachment of this runtime
+    # network goes, and another runtime's and Setup's stay.
+    bridges("podnet", "10.245.1.0/24")
+    agent = make_agent()
+    bus = agent.bus.address
+    conf, other = shim_conf("crio", "podnet"), shim_conf("other-runtime", "podnet")
+    spaces = {cid: netns_factory() for cid in ("c1", "c2", "c3", "setup")}
+    for cid in ("c1", "c2"):
+        assert run_shim(bus, "ADD", conf, cid=cid, netns=spaces[cid]).rc == 0
+    assert run_shim(bus, "ADD", other, cid="c3", netns=spaces["c3"]).rc == 0
+    agent.setup("setup", spaces["setup"])
+
+    gc = run_shim(bus, "GC", {**conf, "cni.dev/valid-attachments": None,
+                              "cni.dev/attachments": None})
+    assert (gc.rc, gc.out) == (0, None), gc
+    assert agent.call("ListSandboxes")[0] == ["c3", "setup"]
+    assert addresses(spaces["c1"]) == addresses(spaces["c2"]) == []
+    assert len(ipam(tmp_path, "podnet")) == 2
+    # And a GC with no list at all is the same: nothing of this network is valid.
+    assert run_shim(bus, "ADD", conf, cid="c1", netns=spaces["c1"]).rc == 0
+    assert run_shim(bus, "GC", conf).rc == 0
+    assert agent.call("ListSandboxes")[0] == ["c3", "setup"]
+
+
 def test_status_follows_readiness_and_a_stopped_agent_is_try_again_later(
     make_agent: Callable[..., Agent], testnet: Callable[..., Path], control: Control,
 ) -> None:

@@ -45,6 +45,8 @@ EXPECTED = [
     "/usr/share/bash-completion/completions/cni-agent",
     "/usr/share/polkit-1/actions/org.cniagent.Agent1.policy",
     "/usr/share/polkit-1/rules.d/50-org.cniagent.Agent1.rules",
+    "/usr/share/cni-agent/monitoring/cni-agent-alerts.yml",  # the fleet view
+    "/usr/share/cni-agent/monitoring/cni-agent-dashboard.json",
 ]
 
 

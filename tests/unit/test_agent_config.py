@@ -27,6 +27,8 @@ def test_defaults_match_the_contract() -> None:
     assert (t.add, t.delete, t.check, t.status, t.gc, t.version, t.lock, t.ready) == (
         120, 60, 30, 10, 60, 10, 60, 30)
     assert c.shutdown_drain == 10 and c.access.groups == ("cni-agent",)
+    # Callers that are not root get nothing until the admin opens it.
+    assert (c.access.networks, c.access.capabilities, c.access.max_sandboxes) == ((), (), 16)
     assert c.bus == "system" and c.log_level == "info"
 
 
@@ -42,10 +44,13 @@ pod_cidrs: [10.244.1.0/24, "fd00::/64"]
 monitor: {startup_interval: 0.1, interval: 2, grace_period: 1.5}
 timeouts: {add: 1, del: 2, check: 3, status: 4, gc: 5, version: 6, lock: 7, ready: 8}
 shutdown_drain: 3
-access: {groups: [wheel, cni-agent]}
+access: {groups: [wheel, cni-agent], networks: [vmnet], capabilities: [portMappings],
+         max_sandboxes: 0}
 bus: session
 log_level: debug
 """)
+    assert (c.access.networks, c.access.capabilities, c.access.max_sandboxes) == (
+        ("vmnet",), ("portMappings",), 0)
     assert c.timeouts.delete == 2 and c.monitor.grace_period == 1.5
     assert c.pod_cidrs == ("10.244.1.0/24", "fd00::/64")
     assert c.access.groups == ("wheel", "cni-agent")
@@ -69,6 +74,8 @@ def test_empty_file_means_defaults(tmp_path: Path) -> None:
         ("pod_cidrs: [banana]", "pod_cidrs[0]: 'banana' is not a CIDR"),
         ("log_level: loud", "log_level: must be one of"),
         ("monitor: {interval: 0}", "monitor.interval: must be greater than 0"),
+        ("access: {max_sandboxes: -1}", "access.max_sandboxes: must be a whole number of at least 0"),
+        ("access: {networks: vmnet}", "access.networks: must be a list"),
         ("- a list", "the top level must be a mapping"),
         ("conf_dir: [unclosed", "not valid YAML"),
     ],

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -64,6 +65,26 @@ def test_a_del_needs_no_netns_and_gc_reads_the_valid_attachments() -> None:
     gc = parse_call({"CNI_COMMAND": "GC"}, json.dumps({
         "cniVersion": "1.1.0", "name": "pods",
         "cni.dev/valid-attachments": [{"containerID": "a", "ifname": "eth0"}]}))
+    assert gc.valid == frozenset({("a", "eth0")})
+
+
+@pytest.mark.parametrize("listed", [
+    {"cni.dev/valid-attachments": None, "cni.dev/attachments": None},  # CRI-O with no pods
+    {"cni.dev/valid-attachments": None},
+    {},
+    {"cni.dev/valid-attachments": []},
+])
+def test_a_gc_whose_list_is_null_or_absent_keeps_nothing_as_an_empty_list_does(
+        listed: dict[str, Any]) -> None:
+    gc = parse_call({"CNI_COMMAND": "GC"}, json.dumps({"cniVersion": "1.1.0", "name": "pods",
+                                                      **listed}))
+    assert gc.valid == frozenset()
+
+
+def test_a_gc_reads_the_older_key_when_the_new_one_is_null() -> None:
+    gc = parse_call({"CNI_COMMAND": "GC"}, json.dumps({
+        "cniVersion": "1.1.0", "name": "pods", "cni.dev/valid-attachments": None,
+        "cni.dev/attachments": [{"containerID": "a", "ifname": "eth0"}]}))
     assert gc.valid == frozenset({("a", "eth0")})
 
 

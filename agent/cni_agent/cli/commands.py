@@ -84,6 +84,9 @@ RunDaemon = Callable[[str | None, str | None], int]
 # `cni-agent config show|check`: (verb, --config path, --json) -> exit status; given
 # by the entry point too, since it reads the configuration (`cni_agent.offline`).
 RunConfig = Callable[[str, str | None, bool], int]
+# `cni-agent shim-config`: (--config path, agent network) -> (the capabilities its
+# plugins declare, where they were read) or (None, why not); from the entry point too.
+ReadCapabilities = Callable[[str | None, str], tuple[frozenset[str] | None, str]]
 
 
 # --- the client commands ------------------------------------------------------------
@@ -451,22 +454,39 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=ManFormatter, description="""
         Print a network configuration list for a container runtime's conf dir (containerd,
         CRI-O and podman read /etc/cni/net.d): its one plugin, cni-agent-shim, forwards every
-        CNI call to this agent, which runs network NAME from its own conf_dir. No agent or
-        bus is needed to print it.""",
-        epilog="example:\n  $ cni-agent shim-config --runtime containerd --network podnet --name pods"
-               " > /etc/cni/net.d/10-pods.conflist")
+        CNI call to this agent, which runs network NAME from its own conf_dir. The plugin
+        declares the capabilities the plugins of NAME declare (read from conf_dir, as the
+        agent reads it): a runtime passes a capability (portMappings, cgroupPath, CRI-O's
+        io.kubernetes.cri.pod-annotations, ...) only to a plugin that declares it. No agent
+        or bus is needed to print it.
+        CRI-O's NetworkReady is its own last STATUS poll, and the agent cannot make CRI-O
+        notice faster: 1.31 and older run no STATUS; 1.32-1.35 poll only until first ready;
+        1.36.0-1.36.2 poll every 5 s (false 0-5 s after the agent's network fails); 1.36.3
+        and later poll only when [crio.network] cni_status_grace_period is above 0, and its
+        default is 0: never. --drop-in prints the file that sets it (1s: false 5-10 s after
+        a failure, true again within 5 s).""",
+        epilog="examples:\n  $ cni-agent shim-config --runtime containerd --network podnet --name pods"
+               " > /etc/cni/net.d/10-pods.conflist\n"
+               "  $ cni-agent shim-config --runtime crio --drop-in"
+               f" > {shim_config.CRIO_DROP_IN}")
     p.add_argument("--network", metavar="NAME", default="", type=_network_name,
                    help="the agent network to use (default: the agent's default network)")
     p.add_argument("--name", metavar="NAME", default="", type=_network_name,
                    help="the network's name for the runtime (default: --network, else cni-agent)")
     p.add_argument("--runtime", choices=sorted(shim_config.RUNTIMES),
                    help="the runtime that reads the file: picks its cniVersion (containerd >= 2.0 and "
-                        "CRI-O >= 1.30: 1.1.0, so their CRI NetworkReady follows the agent; podman 4: "
-                        "1.0.0) and says on stderr where the file goes")
+                        "CRI-O >= 1.32: 1.1.0, so that they send STATUS and GC; podman 4: 1.0.0) and "
+                        "says on stderr where the file goes")
     p.add_argument("--cni-version", metavar="VERSION", default=None, type=_shim_version,
                    help=f"cniVersion, overriding --runtime's (without --runtime: "
                         f"{shim_config.DEFAULT_VERSION}, which every runtime reads; e.g. 1.0.0 for "
                         "containerd 1.x); one of " + ", ".join(SHIM_VERSIONS))
+    p.add_argument("--config", metavar="FILE",
+                   help="read the agent's configuration (its conf_dir) from FILE and FILE.d/*.yaml "
+                        "instead of the layers")
+    p.add_argument("--drop-in", action="store_true",
+                   help=f"with --runtime crio: print the file CRI-O needs in {shim_config.CRIO_DROP_IN} "
+                        "([crio.network] network_dir, plugin_dirs, cni_status_grace_period) instead")
     p.set_defaults(func=_shim_config)
     return parser
 
@@ -488,13 +508,25 @@ def _shim_version(value: str) -> str:
 
 
 def _shim_config(args: argparse.Namespace) -> int:
+    if args.drop_in:
+        if args.runtime != "crio":
+            print("cni-agent: shim-config: --drop-in is for --runtime crio (the only runtime "
+                  "that needs one)", file=sys.stderr)
+            return EXIT_USAGE
+        print(shim_config.CRIO_DROP_IN_TEXT, end="")
+        return EXIT_OK
     name = shim_config.runtime_name(args.network, args.name)
     version, comments = shim_config.choose(args.runtime, args.cni_version, name)
+    read: ReadCapabilities | None = getattr(args, "read_capabilities", None)
+    found, where = read(args.config, args.network) if read else (None, "this entry point reads no "
+                                                                      "configuration")
+    comments += shim_config.capability_comments(found, where)
     # Comments on stderr: stdout stays the file itself, for `> FILE`.
     for line in comments:
         print(f"# {line}", file=sys.stderr)
-    print(json.dumps(shim_config.conflist(args.network, args.name, version), indent=2))
-    return 0
+    caps = shim_config.WELL_KNOWN_CAPABILITIES if found is None else found
+    print(json.dumps(shim_config.conflist(args.network, args.name, version, caps), indent=2))
+    return EXIT_OK
 
 
 def _config_commands(sub: Any) -> None:
@@ -561,9 +593,11 @@ def _sandbox_commands(sub: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None, run_daemon: RunDaemon | None = None,
-         run_config: RunConfig | None = None) -> int:
+         run_config: RunConfig | None = None,
+         read_capabilities: ReadCapabilities | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.read_capabilities = read_capabilities
     if getattr(args, "config_command", False):
         if run_config is None:
             print("cni-agent: config: this entry point cannot read the configuration "

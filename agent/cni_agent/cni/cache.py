@@ -114,14 +114,33 @@ class ResultCache:
             raise CacheError(f"cannot write result cache: {e}") from e
 
     def delete(self, network: str, container_id: str, ifname: str) -> None:
-        # Not fsynced: an entry that reappears after a power loss names an
-        # attachment whose namespace is gone, which GC reaps (DEL is idempotent).
+        """Remove the attachment's entry, never another's that has the same name.
+
+        Not fsynced: an entry that reappears after a power loss names an
+        attachment whose namespace is gone, which GC reaps (DEL is idempotent).
+        """
+        path = self.path(network, container_id, ifname)
+        if not self.free_for(network, container_id, ifname):
+            return  # the file is another attachment's (libcni's names can collide)
         try:
-            os.unlink(self.path(network, container_id, ifname))
+            os.unlink(path)
         except FileNotFoundError:
             return
         except OSError as e:
             raise CacheError(f"cannot remove cache entry: {e}") from e
+
+    def free_for(self, network: str, container_id: str, ifname: str) -> bool:
+        """Whether the attachment's libcni-named file is absent, unreadable (its
+        own DEL removes it), or its own: `<network>-<id>-<ifname>` is not
+        one-to-one when the parts contain '-' ("testnet" + "v6-x" and
+        "testnet-v6" + "x" name one file)."""
+        if "-" not in network + container_id + ifname:
+            return True  # then the name has two '-' only: no other split of it exists
+        try:
+            entry = self.read_path(self.path(network, container_id, ifname))
+        except (FileNotFoundError, CacheError):
+            return True
+        return _is(entry, network, container_id, ifname)
 
     def read_path(self, path: str) -> CachedAttachment:
         """Read one entry; CacheError when it is unreadable or not ours."""
@@ -135,10 +154,13 @@ class ResultCache:
         return _entry_from_json(doc, path)
 
     def read(self, network: str, container_id: str, ifname: str) -> CachedAttachment | None:
+        """The attachment's entry; None when there is none, or when the file by
+        its name belongs to another attachment (checked by the entry's own fields)."""
         try:
-            return self.read_path(self.path(network, container_id, ifname))
+            entry = self.read_path(self.path(network, container_id, ifname))
         except FileNotFoundError:
             return None
+        return entry if _is(entry, network, container_id, ifname) else None
 
     def _names(self) -> list[str]:
         try:
@@ -168,6 +190,10 @@ class ResultCache:
 
     def all(self) -> list[CachedAttachment]:
         return self._scan(None, {})
+
+
+def _is(entry: CachedAttachment, network: str, container_id: str, ifname: str) -> bool:
+    return (entry.network, entry.container_id, entry.ifname) == (network, container_id, ifname)
 
 
 def _entry_from_json(doc: Any, path: str) -> CachedAttachment:

@@ -163,10 +163,13 @@ class PathWorker:
         """
         return self._held(lambda: pin(path, field), field, path)
 
-    def pinned_fd(self, fd: int, path: str) -> AbstractAsyncContextManager[Pinned]:
+    def pinned_fd(self, fd: int, path: str,
+                  vet: Callable[[tuple[int, ...] | None], None] | None = None
+                  ) -> AbstractAsyncContextManager[Pinned]:
         """A caller's own descriptor of its namespace, verified and pinned (a
-        duplicate: the caller's stays the caller's), recorded as `path`."""
-        return self._held(lambda: pin_fd(fd, path), "netns_fd", path)
+        duplicate: the caller's stays the caller's), recorded as `path`;
+        `vet` judges its user-namespace owners first (`netns.pin_fd`)."""
+        return self._held(lambda: pin_fd(fd, path, vet=vet), "netns_fd", path)
 
     def pinned_if_netns(self, path: str, field: str = "netns"
                         ) -> AbstractAsyncContextManager[Pinned | None]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import errno
 import fcntl
 import logging
 import os
@@ -27,7 +28,7 @@ import socket
 import stat
 import struct
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -47,11 +48,17 @@ __all__ = [
     "netns_identity",
     "pin",
     "pin_fd",
+    "prepare",
+    "userns_owners",
 ]
 
 log = logging.getLogger(__name__)
 
 NS_GET_NSTYPE = 0xB703  # ioctl on an nsfs fd: returns the CLONE_NEW* type
+NS_GET_USERNS = 0xB701  # a new fd of the user namespace owning the namespace
+NS_GET_PARENT = 0xB702  # a new fd of a user namespace's parent (EPERM past our own)
+NS_GET_OWNER_UID = 0xB704  # the uid that created a user namespace, as our namespace sees it
+MAX_USERNS_DEPTH = 33  # the kernel nests at most 32 user namespaces
 NS_GET_ID = 0x8008B70D  # _IOR(0xb7, 13, u64): the namespace's id, never reused (Linux >= 6.11)
 SO_NETNS_COOKIE = 71  # getsockopt: the socket's netns cookie, never reused in a boot (Linux >= 5.14)
 # Test seam: set to "1", the agent acts as on a kernel without NS_GET_ID
@@ -294,6 +301,40 @@ def is_netns(path: str) -> bool:
     return netns_identity(path) is not None
 
 
+def userns_owners(fd: int) -> tuple[int, ...] | None:
+    """The owner uids of the user namespaces above the namespace `fd`, from the
+    one owning it up to (not including) the agent's own: () when the agent's
+    user namespace owns it (root's `ip netns add`, a runtime's pods), None when
+    the chain cannot be read. Blocking (a few ioctls), for a worker thread.
+
+    A caller whose uid owns every one of them is privileged over the namespace
+    (the kernel's rule: the owner of a user namespace, living in its parent,
+    has every capability in it); opening its nsfs file proves nothing.
+    """
+    own = os.stat("/proc/self/ns/user")
+    try:
+        current = fcntl.ioctl(fd, NS_GET_USERNS)  # a new O_CLOEXEC fd
+    except OSError:
+        return None
+    owners: list[int] = []
+    try:
+        for _ in range(MAX_USERNS_DEPTH):
+            st = os.fstat(current)
+            if (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino):
+                return tuple(owners)
+            buf = bytearray(4)
+            fcntl.ioctl(current, NS_GET_OWNER_UID, buf, True)
+            owners.append(int.from_bytes(buf, sys.byteorder))
+            parent = fcntl.ioctl(current, NS_GET_PARENT)
+            os.close(current)
+            current = parent
+    except OSError:
+        return None
+    finally:
+        os.close(current)
+    return None
+
+
 class Pinned:
     """A network namespace held open for one request; the only way it is reached.
 
@@ -359,11 +400,14 @@ def pin(path: str, field: str = "netns") -> Pinned:
         raise
 
 
-def pin_fd(fd: int, path: str, field: str = "netns_fd") -> Pinned:
+def pin_fd(fd: int, path: str, field: str = "netns_fd",
+           vet: Callable[[tuple[int, ...] | None], None] | None = None) -> Pinned:
     """Verify a descriptor a caller opened itself and pin (a duplicate of) it,
     or InvalidArgument(field): as `pin`, minus the path, which the agent never
     opens for this caller; `path` is only the name it is recorded by.
 
+    `vet` is shown the namespace's user-namespace owners (`userns_owners`)
+    before anything else is done with it, and raises to refuse it.
     Blocking (the identity may setns() this thread): run it off the event loop.
     """
     try:
@@ -380,6 +424,8 @@ def pin_fd(fd: int, path: str, field: str = "netns_fd") -> Pinned:
         if nstype != CLONE_NEWNET:
             raise InvalidArgument(field, f"is a {_NS_TYPES.get(nstype, hex(nstype))} namespace, "
                                          "not a network namespace")
+        if vet is not None:
+            vet(userns_owners(own_fd))
         ident = fd_identity(own_fd)
         own = os.stat("/proc/self/ns/net")
         if (ident.dev, ident.ino) == (own.st_dev, own.st_ino):
@@ -460,27 +506,50 @@ _IFREQ = struct.Struct("16sH22x")  # struct ifreq: the name, then (a union with)
 _IFREQ_INDEX = struct.Struct("16si20x")  # ...or the index
 
 
-def _loopback_up(target: Pinned) -> None:
-    """What `ip link set lo up` does, as ioctls on a socket made inside the
-    namespace: no netlink (pyroute2 cost ~1 ms of CPU per Setup), three syscalls."""
+SIOCGIFINDEX = 0x8933
+
+
+def _prepare(target: Pinned, ifnames: Sequence[str], loopback: bool) -> list[str]:
+    """Which of `ifnames` exist in the namespace; when none does and
+    `loopback`, `lo` is set up (what `ip link set lo up` does). Ioctls on one
+    socket made inside the namespace: no netlink (pyroute2 cost ~1 ms of CPU
+    per Setup), a few syscalls."""
     try:
         sock = _inside(target, lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
     except OSError as e:
         raise NetnsError(target.path, f"cannot open a socket: {e}") from e
     try:
         with sock:
-            req = fcntl.ioctl(sock, SIOCGIFNAME, _IFREQ_INDEX.pack(b"", _LOOPBACK_IFINDEX))
-            name = _IFREQ_INDEX.unpack(req)[0]
-            _, flags = _IFREQ.unpack(fcntl.ioctl(sock, SIOCGIFFLAGS, _IFREQ.pack(name, 0)))
-            if not flags & _IFF_UP:
-                fcntl.ioctl(sock, SIOCSIFFLAGS, _IFREQ.pack(name, flags | _IFF_UP))
+            present = []
+            for ifname in ifnames:
+                try:
+                    fcntl.ioctl(sock, SIOCGIFINDEX, _IFREQ_INDEX.pack(ifname.encode(), 0))
+                except OSError as e:
+                    if e.errno != errno.ENODEV:
+                        raise
+                else:
+                    present.append(ifname)
+            if loopback and not present:
+                req = fcntl.ioctl(sock, SIOCGIFNAME, _IFREQ_INDEX.pack(b"", _LOOPBACK_IFINDEX))
+                name = _IFREQ_INDEX.unpack(req)[0]
+                _, flags = _IFREQ.unpack(fcntl.ioctl(sock, SIOCGIFFLAGS, _IFREQ.pack(name, 0)))
+                if not flags & _IFF_UP:
+                    fcntl.ioctl(sock, SIOCSIFFLAGS, _IFREQ.pack(name, flags | _IFF_UP))
+            return present
     except OSError as e:
         raise NetnsError(target.path, str(e)) from e
 
 
+def prepare(target: Pinned, ifnames: Sequence[str], loopback: bool) -> list[str]:
+    """Before a Setup's first plugin: the requested interfaces already in the
+    namespace (a Setup must not take over, or roll back, what it did not
+    create), else `lo` up when `loopback`; blocking."""
+    return _prepare(target, ifnames, loopback)
+
+
 def loopback_up(target: Pinned | str) -> None:
     """Set `lo` up inside the network namespace `target`; blocking."""
-    _pinned(target, _loopback_up)
+    _pinned(target, lambda ns: _prepare(ns, (), True))
 
 
 def _list_interfaces(ipr: Any) -> list[Interface]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from cni_agent.api import AgentError, ErrorKind
@@ -31,7 +31,6 @@ from cni_agent.cni.config import NetworkConfigList
 from cni_agent.cni.errors import CNIError, InvalidArgument, NoCachedResult
 from cni_agent.cni.logctx import log_fields
 from cni_agent.node.netns import NetnsError, Pinned
-from cni_agent.sandboxes import owners
 from cni_agent.sandboxes.errors import classified
 from cni_agent.sandboxes.journal import is_recorded
 from cni_agent.sandboxes.manager import (
@@ -40,11 +39,13 @@ from cni_agent.sandboxes.manager import (
     SandboxManager,
     no_netns,
     rollback_error,
+    shown,
     unless_hung,
     validate_removal_netns,
 )
 from cni_agent.sandboxes.order import Kind
-from cni_agent.sandboxes.owners import ROOT, callers_netns
+from cni_agent.sandboxes.owners import callers_netns
+from cni_agent.sandboxes.policy import ROOT, Caller, Policy
 from cni_agent.sandboxes.records import Attachment, Phase, SandboxRecord
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ class AttachRequest:
     capabilities: Mapping[str, Any] = field(default_factory=dict)
     origin: str = ""
     netns_fd: int | None = None  # the caller's own descriptor of `netns` (owners.py)
-    caller: int = ROOT  # uid
+    caller: Caller = ROOT
 
 
 def attachment_document(sandbox_id: str, network: str, ifname: str,
@@ -71,7 +72,7 @@ def attachment_document(sandbox_id: str, network: str, ifname: str,
 
 
 def _validate(sandbox_id: str, network: str, ifname: str, origin: str) -> None:
-    validate_container_id(sandbox_id)
+    """The request's names (the sandbox id: `SandboxManager.own_id`)."""
     if network:
         validate_network_name(network)
     validate_ifname(ifname)
@@ -104,11 +105,13 @@ class Attachments:
     # --- ADD ------------------------------------------------------------------------
 
     async def attach(self, req: AttachRequest) -> dict[str, Any]:
+        with classified():
+            req = replace(req, sandbox_id=self.m.own_id(req.caller, req.sandbox_id, creating=True))
         with log_fields(SANDBOX_ID=req.sandbox_id, IFNAME=req.ifname):
             with classified():
                 doc = await self._attach(req)
         self.m.on_set_up(req.sandbox_id)
-        return doc
+        return shown(req.caller, doc)
 
     async def _attach(self, req: AttachRequest) -> dict[str, Any]:
         m = self.m
@@ -117,10 +120,12 @@ class Attachments:
         args = tuple(build_cni_args(req.args, None, req.sandbox_id))
         if not isinstance(req.capabilities, Mapping):
             raise InvalidArgument("capabilities", "must be a JSON object")
+        m.policy.capabilities(req.caller, req.capabilities)
         async with callers_netns(m.journal.paths, req.netns, req.netns_fd, req.caller) as ns:
             with m.order.arrive(req.sandbox_id, Kind.ADD, frozenset({req.ifname})) as ticket:
                 await m.wait_ready(ticket)
                 net = m.resolve(NetworkRequest(req.network, req.ifname))
+                m.policy.network(req.caller, net.name)
                 att = Attachment(net.name, req.ifname, net.bytes, args,
                                  m.capabilities_for(req.capabilities), origin=req.origin)
                 with log_fields(NETWORK=net.name):
@@ -131,7 +136,8 @@ class Attachments:
                              ns: Pinned) -> dict[str, Any]:
         m = self.m
         rec, entries = await m.journal.view(req.sandbox_id)
-        owners.require(req.sandbox_id, req.caller, rec, entries)
+        Policy.sandbox(req.caller, req.sandbox_id, rec.owner if rec else None,
+                       foreign=bool(entries))
         if rec is not None:
             settled = await m.settle(rec, entries, req.netns, ns.identity)
             if settled is not rec:
@@ -145,19 +151,22 @@ class Attachments:
                              "from another tool or an older run; DEL it first")
         new = rec is None
         if rec is None:
-            rec = SandboxRecord(req.sandbox_id, req.netns, ns.identity, (), owner=req.caller)
-        try:
-            # A new sandbox: lo first, before an intent exists (nothing to undo).
-            rec = await m.journal.begin_add(rec, [att], loopback=ns if new else None)
-        except NetnsError as e:
-            raise AgentError(ErrorKind.PLUGIN_FAILED, f"cannot bring up lo: {e}") from e
-        try:
-            result = await m.journal.add(rec, att, net, ns, commit=[att.ifname])
-        except CNIError as e:
-            log.warning("ADD of %s/%s for %s failed, rolling back: %s", att.network, att.ifname,
-                        req.sandbox_id, e)
-            _, undo = await m.journal.remove(rec, [att.ifname], ns)
-            raise rollback_error(e, undo) from e
+            rec = SandboxRecord(req.sandbox_id, req.netns, ns.identity, (), owner=req.caller.uid)
+        async with m.admission.admitted(req.caller, m.policy, req.sandbox_id, req.capabilities,
+                                        new_sandbox=new):
+            with m.journal.claiming(req.sandbox_id, [att]):
+                try:
+                    # A new sandbox: lo first, before an intent exists (nothing to undo).
+                    rec = await m.journal.begin_add(rec, [att], ns, loopback=new)
+                except NetnsError as e:
+                    raise AgentError(ErrorKind.PLUGIN_FAILED, f"cannot bring up lo: {e}") from e
+                try:
+                    result = await m.journal.add(rec, att, net, ns, commit=[att.ifname])
+                except CNIError as e:
+                    log.warning("ADD of %s/%s for %s failed, rolling back: %s", att.network,
+                                att.ifname, req.sandbox_id, e)
+                    _, undo = await m.journal.remove(rec, [att.ifname], ns)
+                    raise rollback_error(e, undo) from e
         return attachment_document(req.sandbox_id, att.network, att.ifname, result)
 
     @staticmethod
@@ -175,24 +184,26 @@ class Attachments:
     # --- DEL ------------------------------------------------------------------------
 
     async def detach(self, sandbox_id: str, netns: str, network: str, ifname: str,
-                     origin: str = "", caller: int = ROOT) -> None:
+                     origin: str = "", caller: Caller = ROOT) -> None:
         """DEL one attachment. Nothing attached there, or its netns gone: success."""
-        with log_fields(SANDBOX_ID=sandbox_id, IFNAME=ifname):
+        with classified():
+            sid = self.m.own_id(caller, sandbox_id)
+        with log_fields(SANDBOX_ID=sid, IFNAME=ifname):
             with classified():
-                await self._detach(sandbox_id, netns, network, ifname, origin, caller)
+                await self._detach(sid, netns, network, ifname, origin, caller)
 
     async def _detach(self, sandbox_id: str, netns: str, network: str, ifname: str,
-                      origin: str, caller: int) -> None:
+                      origin: str, caller: Caller) -> None:
         m = self.m
         _validate(sandbox_id, network, ifname, origin)
         validate_removal_netns(netns)
         with m.order.arrive(sandbox_id, Kind.REMOVE, frozenset({ifname})) as ticket:
-            given_cm = (m.journal.paths.pinned_if_netns(netns) if netns and caller == ROOT
+            given_cm = (m.journal.paths.pinned_if_netns(netns) if netns and caller.root
                         else no_netns())
             async with unless_hung(given_cm) as given, m.locked(ticket):
                 rec, entries = await m.journal.view(sandbox_id)
                 if rec is not None or entries:
-                    owners.require(sandbox_id, caller, rec, entries)
+                    Policy.holds(caller, sandbox_id, rec.owner if rec else None)
                 recorded = rec.attachment(ifname) if rec is not None else None
                 if rec is not None and recorded is not None:
                     if not _mine(recorded, network, origin):
@@ -233,6 +244,7 @@ class Attachments:
             with classified():
                 m = self.m
                 m.gate()
+                validate_container_id(sandbox_id)
                 _validate(sandbox_id, network, ifname, origin)
                 async with m.journal.paths.pinned(netns) as ns:
                     with m.order.arrive(sandbox_id, Kind.OTHER, frozenset({ifname})) as ticket:

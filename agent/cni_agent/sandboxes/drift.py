@@ -26,11 +26,10 @@ from cni_agent.api import AgentError, ErrorKind
 from cni_agent.cni.errors import CNIError
 from cni_agent.node.blocking import UNANSWERED
 from cni_agent.node.locks import LockTimeout
-from cni_agent.sandboxes import owners
 from cni_agent.sandboxes.checks import Outcome, Yielded
 from cni_agent.sandboxes.manager import SandboxManager, check_document
 from cni_agent.sandboxes.order import Kind
-from cni_agent.sandboxes.owners import ROOT
+from cni_agent.sandboxes.policy import ROOT, Caller, Policy, not_yours
 from cni_agent.sandboxes.records import Phase
 
 log = logging.getLogger(__name__)
@@ -170,23 +169,20 @@ class DriftPasses:
                      len(report.busy))
         return report
 
-    async def check_now(self, sandbox_ids: Collection[str], caller: int = ROOT
+    async def check_now(self, sandbox_ids: Collection[str], caller: Caller = ROOT
                         ) -> list[dict[str, Any]]:
         """A pass asked for (the `check` CLI): the listed sandboxes (all when
-        none; a caller other than root: only its own), then each attachment's
-        check state as Show reports it."""
+        none; a caller other than root: only its own, read by their names),
+        then each attachment's check state as Show reports it."""
         m = self.manager
-        if caller != ROOT:
-            for sid in sandbox_ids:
-                rec, _ = await m.journal.view(sid, repair=False)
-                if rec is None or rec.owner != caller:
-                    raise owners.denied(sid, caller)
-        records, _ = await asyncio.to_thread(m.journal.store.all)
-        mine = {r.sandbox_id for r in records if caller == ROOT or r.owner == caller}
-        wanted = set(sandbox_ids) & mine if sandbox_ids else mine
-        for sid in sandbox_ids:
-            if sid not in wanted:
-                raise AgentError(ErrorKind.NOT_FOUND, f"sandbox {sid} is not set up")
+        asked = {m.own_id(caller, sid, field="sandbox_ids") for sid in sandbox_ids}
+        records, _ = await asyncio.to_thread(m.journal.store.all, Policy.own_prefix(caller))
+        mine = {r.sandbox_id for r in records if caller.root or r.owner == caller.uid}
+        for sid in sorted(asked - mine):
+            if not caller.root:
+                raise not_yours(sid, caller)
+            raise AgentError(ErrorKind.NOT_FOUND, f"sandbox {sid} is not set up")
+        wanted = asked or mine
         report = await self.run(wanted, why="asked", background=False)
         if report.errors:
             raise AgentError(ErrorKind.PLUGIN_FAILED, report.errors[0])
@@ -195,7 +191,8 @@ class DriftPasses:
         for sid in sorted(wanted):
             rec, _ = await m.journal.view(sid, repair=False)
             for att in rec.attachments if rec else ():
-                out.append({"sandbox": sid, "network": att.network, "ifname": att.ifname,
+                out.append({"sandbox": Policy.shown(caller, sid), "network": att.network,
+                            "ifname": att.ifname,
                             **check_document(att, m.checks.last_check(sid, att)),
                             "drifted_now": (sid, att.ifname) in drifted})
         return out

@@ -25,8 +25,9 @@ import logging
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
-from cni_agent.cni.cache import CachedAttachment
+from cni_agent.cni.cache import CachedAttachment, ResultCache
 from cni_agent.cni.config import NetworkConfigList
+from cni_agent.cni.errors import CNIError
 from cni_agent.cni.logctx import log_fields
 from cni_agent.cni.result import version_at_least
 from cni_agent.node.blocking import UNANSWERED
@@ -80,6 +81,7 @@ class Reaper:
         retry_delay: float = 30.0,
         interval: float = 0.0,
         on_report: Callable[[GCReport], None] = lambda report: None,
+        on_pass: Callable[[GCReport], None] = lambda report: None,
         order: Sequencer | None = None,
     ) -> None:
         self.journal = journal
@@ -94,6 +96,7 @@ class Reaper:
         self._verb_wait = verb_wait
         self._retry_delay = retry_delay
         self._on_report = on_report  # metrics
+        self._on_pass = on_pass  # metrics: each periodic pass
         # Set once start-up recovery is over: no sandbox operation runs before.
         self.recovered = asyncio.Event()
         self._retry: asyncio.Task[None] | None = None
@@ -128,21 +131,28 @@ class Reaper:
         while True:
             await asyncio.sleep(self.interval)
             try:
-                await self.collect(verbs=False)
+                self._on_pass(await self.collect(verbs=False))
             except Exception:  # a pass that broke must not end all later ones
                 log.exception("reaping pass failed; the next one runs in %gs", self.interval)
 
-    async def collect(self, valid_ids: Collection[str] | None = None, verbs: bool = True
-                      ) -> GCReport:
+    async def collect(self, valid_ids: Collection[str] | None = None, verbs: bool = True, *,
+                      owner: int | None = None, prefix: str = "") -> GCReport:
         """Reap stale attachments and (with `verbs`) send GC; `valid_ids`
-        overrides liveness detection."""
+        overrides liveness detection.
+
+        With `owner`, only that uid's sandboxes (those whose ids begin
+        `prefix`) are looked at, and no GC verb is sent. Whether a sandbox is
+        reaped is decided under its lock: never one set up after this call
+        arrived, never another owner's, whatever the snapshot said.
+        """
+        since = self.journal.generation
         await self.recovered.wait()
         report = GCReport()
-        snap = await asyncio.to_thread(self._snapshot)
+        snap = await asyncio.to_thread(self._snapshot, prefix)
         candidates = await self._candidates(snap, valid_ids, report)
         for sid in candidates:
-            await self._reap(sid, valid_ids, report, wait=0)
-        if verbs:
+            await self._reap(sid, valid_ids, report, wait=0, since=since, owner=owner)
+        if verbs and owner is None:
             await self._send_gc_verbs([n for n in self._networks() if self._gc_verb(n.name)],
                                       report)
         for err in report.errors:
@@ -156,12 +166,13 @@ class Reaper:
     async def release(self, origin: str, valid: Collection[tuple[str, str]]) -> GCReport:
         """A runtime's GC through the shim: DEL what its network `origin` made and
         no longer lists as (sandbox, ifname). A busy sandbox is left for its next GC."""
+        since = self.journal.generation
         await self.recovered.wait()
         report = GCReport()
         records, _ = await asyncio.to_thread(self.journal.store.all)
         for rec in sorted(records, key=lambda r: r.sandbox_id):
             if _released(rec, origin, valid):
-                await self._release(rec.sandbox_id, origin, valid, report)
+                await self._release(rec.sandbox_id, origin, valid, report, since)
         if report.deleted:
             log.info("gc of %s: removed %d attachment(s) it no longer lists", origin,
                      len(report.deleted))
@@ -178,13 +189,13 @@ class Reaper:
                 yield
 
     async def _release(self, sid: str, origin: str, valid: Collection[tuple[str, str]],
-                       report: GCReport) -> None:
+                       report: GCReport, since: int) -> None:
         try:
             async with self._hold(sid, 0):
                 with log_fields(SANDBOX_ID=sid):
                     rec, entries = await self.journal.view(sid)
                     doomed = _released(rec, origin, valid) if rec is not None else set()
-                    if rec is None or not doomed:
+                    if rec is None or not doomed or self.journal.born_after(sid, since):
                         return
                     async with self.journal.live_netns(rec, entries) as ns:
                         left, errors = await self.journal.remove(rec, doomed, ns, entries)
@@ -194,7 +205,7 @@ class Reaper:
                     self._account(report, sid, errors)
         except LockTimeout:
             report.busy.append(sid)
-        except UNANSWERED as e:
+        except (*UNANSWERED, StateUnavailable) as e:
             report.errors.append(f"sandbox {sid}: not looked at: {e}")
 
     async def stop(self) -> None:
@@ -206,11 +217,19 @@ class Reaper:
 
     # --- what to look at ---------------------------------------------------------
 
-    def _snapshot(self) -> _Snapshot:
-        listing = self.journal.store.scan()
+    def _snapshot(self, prefix: str = "") -> _Snapshot:
+        """The records (of the ids beginning `prefix`) and cache entries (all of
+        them, or only those records' when a prefix narrows it to one owner)."""
+        listing = self.journal.store.scan(prefix)
         entries: dict[str, list[CachedAttachment]] = {}
-        for e in self.journal.runtime.cache.all():
-            entries.setdefault(e.container_id, []).append(e)
+        if prefix:
+            cache = self.journal.runtime.cache
+            for r in listing.records:
+                entries[r.sandbox_id] = [e for a in r.attachments
+                                         if (e := _read(cache, a.network, r.sandbox_id, a.ifname))]
+        else:
+            for e in self.journal.runtime.cache.all():
+                entries.setdefault(e.container_id, []).append(e)
         return _Snapshot({r.sandbox_id: r for r in listing.records}, entries, listing.damaged,
                          listing.unavailable)
 
@@ -260,11 +279,15 @@ class Reaper:
     # --- one sandbox, under its lock ----------------------------------------------
 
     async def _reap(self, sid: str, valid_ids: Collection[str] | None, report: GCReport,
-                    wait: float) -> None:
+                    wait: float, since: int | None = None, owner: int | None = None) -> None:
         try:
             async with self._hold(sid, wait):
                 with log_fields(SANDBOX_ID=sid):
                     rec, entries = await self.journal.view(sid)
+                    if since is not None and self.journal.born_after(sid, since):
+                        return  # set up after this GC arrived: not for it to judge
+                    if owner is not None and (rec is None or rec.owner != owner):
+                        return  # another owner's: a caller's GC speaks for its own only
                     async with self.journal.live_netns(rec, entries) as ns:
                         await self._reap_locked(sid, rec, entries, ns, valid_ids, report)
         except LockTimeout:
@@ -358,6 +381,13 @@ def _released(rec: SandboxRecord, origin: str, valid: Collection[tuple[str, str]
     return {a.ifname for a in rec.attachments
             if a.origin == origin and a.phase is Phase.READY
             and (rec.sandbox_id, a.ifname) not in valid}
+
+
+def _read(cache: ResultCache, network: str, sid: str, ifname: str) -> CachedAttachment | None:
+    try:
+        return cache.read(network, sid, ifname)
+    except CNIError:
+        return None
 
 
 def _in(rec: SandboxRecord | None, entry: CachedAttachment) -> bool:

@@ -15,21 +15,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import replace
 from enum import Enum
 from typing import Any
 
 from cni_agent.cni.cache import CachedAttachment
 from cni_agent.cni.config import NetworkConfigList, parse_list_or_none
-from cni_agent.cni.errors import CNIError, ConfigError
+from cni_agent.cni.errors import CNIError, ConfigError, InvalidArgument
 from cni_agent.cni.logctx import log_fields
 from cni_agent.cni.result import with_sandbox
 from cni_agent.cni.runtime import CNIRuntime, RuntimeConf
 from cni_agent.node.blocking import PathWorker
 from cni_agent.node.locks import NetworkLocks
-from cni_agent.node.netns import NetnsError, NetnsId, NetnsUnknown, Pinned, interfaces, loopback_up
+from cni_agent.node.netns import NetnsError, NetnsId, NetnsUnknown, Pinned, interfaces, prepare
 from cni_agent.sandboxes.records import Attachment, DamagedRecord, Phase, SandboxRecord, SandboxStore
 
 log = logging.getLogger(__name__)
@@ -106,6 +106,31 @@ class Unconfirmed(NetnsUnknown):
                                   "confirmed")
 
 
+class InterfaceExists(InvalidArgument):
+    """An interface a new attachment would create is in the namespace already.
+
+    Refused before any plugin runs: a failed ADD's rollback DEL would delete
+    it, and it is not this call's (another sandbox's, or the namespace's own).
+    """
+
+    def __init__(self, names: Sequence[str], netns: str) -> None:
+        shown = ", ".join(names)
+        super().__init__("networks", f"interface {shown} already exists in network namespace "
+                                     f"{netns}: a Setup never takes over an interface it did not "
+                                     "create")
+
+
+class CacheCollision(InvalidArgument):
+    """libcni names a cache entry `<network>-<id>-<ifname>`, and '-' may be in
+    all three: another attachment's entry would be the same file."""
+
+    def __init__(self, network: str, ifname: str) -> None:
+        super().__init__("sandbox_id", f"the cache entry of {network}/{ifname} of this sandbox "
+                                       "would be the same file as another attachment's (network "
+                                       "names and ids containing '-' can name the same file); "
+                                       "choose another id")
+
+
 class Journal:
     def __init__(
         self,
@@ -126,6 +151,17 @@ class Journal:
         self.lock_timeout = lock_timeout
         # Config bytes → parsed list: DELs of one network reuse one parse.
         self._parsed: dict[bytes, NetworkConfigList | None] = {}
+        # Cache entry path → the (network, sandbox, ifname) of a Setup or
+        # Attach under way that will write it (`claiming`).
+        self._claims: dict[str, tuple[str, str, str]] = {}
+        # When each sandbox set up since start-up was born, in a count that
+        # only grows: a GC that began earlier never reaps it (`born_after`).
+        self._born: dict[str, int] = {}
+        self.generation = 0
+
+    def born_after(self, sandbox_id: str, generation: int) -> bool:
+        """Whether the sandbox was set up after `generation` was read."""
+        return self._born.get(sandbox_id, 0) > generation
 
     # --- reading ----------------------------------------------------------------
 
@@ -193,22 +229,52 @@ class Journal:
 
     # --- adding -----------------------------------------------------------------
 
-    async def begin_add(self, rec: SandboxRecord, new: Sequence[Attachment],
-                        loopback: Pinned | None = None) -> SandboxRecord:
+    @contextmanager
+    def claiming(self, sandbox_id: str, new: Sequence[Attachment]) -> Iterator[None]:
+        """Reserve the cache entries `new` will have while this call adds them:
+        a concurrent Setup of another attachment whose libcni-named entry is
+        the same file is refused (CacheCollision); `begin_add` refuses one
+        whose file is already another attachment's on disk."""
+        wanted = {self.runtime.cache.path(a.network, sandbox_id, a.ifname):
+                  (a.network, sandbox_id, a.ifname) for a in new}
+        for path, ident in wanted.items():
+            held = self._claims.get(path)
+            if held is not None and held != ident:
+                raise CacheCollision(ident[0], ident[2])
+        mine = [p for p in wanted if p not in self._claims]
+        self._claims.update((p, wanted[p]) for p in mine)
+        try:
+            yield
+        finally:
+            for path in mine:
+                del self._claims[path]
+
+    async def begin_add(self, rec: SandboxRecord, new: Sequence[Attachment], ns: Pinned,
+                        loopback: bool = False) -> SandboxRecord:
         """Write the intent of `new` durably, before any of their plugins runs.
 
-        With `loopback` (a new sandbox), that namespace's `lo` is brought up
-        first, in the same worker call (one thread hop, not two): NetnsError
-        if it cannot be, and then nothing was written, so nothing is to undo.
+        First, in the same worker call (one thread hop): none of `new`'s
+        interfaces may be in the namespace (InterfaceExists), none of their
+        cache entries another attachment's (CacheCollision), and with
+        `loopback` (a new sandbox) `lo` is brought up (NetnsError if it cannot
+        be). Whatever is raised, nothing was written, so nothing is to undo.
         """
         begun = rec.with_attachments((*rec.attachments, *new))
+        cache = self.runtime.cache
 
         def work() -> None:
-            if loopback is not None:
-                loopback_up(loopback)
+            present = prepare(ns, [a.ifname for a in new], loopback)
+            if present:
+                raise InterfaceExists(present, rec.netns)
+            for a in new:
+                if not cache.free_for(a.network, rec.sandbox_id, a.ifname):
+                    raise CacheCollision(a.network, a.ifname)
             self.store.write(begun)
 
         await asyncio.to_thread(work)
+        if not rec.attachments:
+            self.generation += 1
+            self._born[rec.sandbox_id] = self.generation
         return begun
 
     async def add(self, rec: SandboxRecord, att: Attachment, net: NetworkConfigList,
@@ -327,6 +393,7 @@ class Journal:
             await self._save(kept)
             return kept, errors
         self.store.delete(rec.sandbox_id)
+        self._born.pop(rec.sandbox_id, None)
         return None, errors
 
     async def _delete(self, sandbox_id: str, att: Attachment, ns: Pinned | None,

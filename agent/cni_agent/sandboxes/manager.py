@@ -16,7 +16,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -37,13 +37,14 @@ from cni_agent.node.locks import SandboxLocks
 from cni_agent.node.netns import NetnsError, NetnsId, Pinned
 from cni_agent.readiness.monitor import Monitor
 from cni_agent.readiness.podcidrs import PodCIDRs
-from cni_agent.sandboxes import owners
+from cni_agent.sandboxes.admission import Admission
 from cni_agent.sandboxes.checks import Checks
 from cni_agent.sandboxes.errors import classified, classify
 from cni_agent.sandboxes.gc import Reaper
 from cni_agent.sandboxes.journal import Journal, is_recorded
 from cni_agent.sandboxes.order import Kind, Ticket
-from cni_agent.sandboxes.owners import ROOT, callers_netns
+from cni_agent.sandboxes.owners import callers_netns
+from cni_agent.sandboxes.policy import ROOT, Caller, Policy
 from cni_agent.sandboxes.records import Attachment, Phase, SandboxRecord
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ class SetupRequest:
     pod: PodMeta | None = None
     capabilities: Mapping[str, Any] = field(default_factory=dict)
     netns_fd: int | None = None  # the caller's own descriptor of `netns` (owners.py)
-    caller: int = ROOT  # uid
+    caller: Caller = ROOT
 
 
 @dataclass(frozen=True)
@@ -114,8 +115,12 @@ class SandboxManager:
         pod_cidrs: PodCIDRs,
         timeouts: Timeouts | None = None,
         checks: Checks | None = None,
+        policy: Policy | None = None,
     ) -> None:
         self.journal = journal
+        # What callers that are not root may use (`access.*`; a reload replaces it).
+        self.policy = policy or Policy()
+        self.admission = Admission(journal.store)
         self.checks = checks or Checks(journal)
         self.monitor = monitor
         self.locks = locks
@@ -200,9 +205,17 @@ class SandboxManager:
 
     # --- Setup --------------------------------------------------------------------
 
+    def own_id(self, caller: Caller, sandbox_id: str, creating: bool = False,
+               field: str = "sandbox_id") -> str:
+        """The sandbox `caller` means by `sandbox_id` (validated): its own id
+        space (`Policy.qualify`); root may not create in a member's."""
+        validate_container_id(sandbox_id, field)
+        if creating and caller.root:
+            Policy.check_new_id(sandbox_id, field)
+        return self.policy.qualify(caller, sandbox_id, field)
+
     def validate(self, req: SetupRequest) -> None:
         """Everything but the netns that can be checked before waiting or locking."""
-        validate_container_id(req.sandbox_id)
         if len(req.networks) > MAX_NETWORKS:
             raise InvalidArgument("networks", f"more than {MAX_NETWORKS} networks")
         seen: set[str] = set()
@@ -216,16 +229,20 @@ class SandboxManager:
         build_cni_args(req.args, req.pod, req.sandbox_id)
         if not isinstance(req.capabilities, Mapping):
             raise InvalidArgument("capabilities", "must be a JSON object")
+        self.policy.capabilities(req.caller, req.capabilities)
 
     async def setup(self, req: SetupRequest) -> dict[str, Any]:
-        with log_fields(SANDBOX_ID=req.sandbox_id):
+        with classified():
+            sid = self.own_id(req.caller, req.sandbox_id, creating=True)
+        with log_fields(SANDBOX_ID=sid):
             try:
                 with classified():
-                    return await self._setup(req)
+                    doc = await self._setup(replace(req, sandbox_id=sid))
             except AgentError as err:
                 if err.kind is ErrorKind.CANCELLED:
                     log.info("%s", err.message)
                 raise
+        return shown(req.caller, doc)
 
     async def _setup(self, req: SetupRequest) -> dict[str, Any]:
         self.gate()
@@ -241,6 +258,8 @@ class SandboxManager:
             await self.wait_ready(ticket)
             requests = req.networks or (NetworkRequest(),)
             nets = [self.resolve(r) for r in requests]
+            for net in nets:
+                self.policy.network(req.caller, net.name)
             args = tuple(build_cni_args(req.args, req.pod, req.sandbox_id))
             caps = self.capabilities_for(req.capabilities)
             new = tuple(Attachment(net.name, r.ifname, net.bytes, args, caps)
@@ -249,7 +268,8 @@ class SandboxManager:
             with log_fields(**_single(new)):
                 async with self.locked(ticket):
                     rec, entries = await self.journal.view(req.sandbox_id)
-                    owners.require(req.sandbox_id, req.caller, rec, entries)
+                    Policy.sandbox(req.caller, req.sandbox_id, rec.owner if rec else None,
+                                   foreign=bool(entries))
                     if rec is not None:
                         settled = await self.settle(rec, entries, req.netns, ns.identity)
                         if settled is not rec:
@@ -260,9 +280,11 @@ class SandboxManager:
                         raise AgentError(ErrorKind.INVALID_ARGUMENT,
                                          f"sandbox {req.sandbox_id} has cached attachments from another "
                                          "tool or an older run; tear it down first")
-                    return await self._add_all(SandboxRecord(req.sandbox_id, req.netns, ns.identity,
-                                                             (), digest, owner=req.caller),
-                                               new, nets, ns)
+                    async with self.admission.admitted(req.caller, self.policy, req.sandbox_id,
+                                                       req.capabilities, new_sandbox=True):
+                        return await self._add_all(
+                            SandboxRecord(req.sandbox_id, req.netns, ns.identity, (), digest,
+                                          owner=req.caller.uid), new, nets, ns)
 
     async def settle(self, rec: SandboxRecord, entries: Mapping[tuple[str, str], CachedAttachment],
                       netns: str, identity: NetnsId) -> SandboxRecord | None:
@@ -302,10 +324,15 @@ class SandboxManager:
 
     async def _add_all(self, rec: SandboxRecord, new: Sequence[Attachment],
                        nets: Sequence[NetworkConfigList], ns: Pinned) -> dict[str, Any]:
-        try:
-            rec = await self.journal.begin_add(rec, new, loopback=ns)
-        except NetnsError as e:  # lo comes first: no intent was written, nothing to undo
-            raise AgentError(ErrorKind.PLUGIN_FAILED, f"cannot bring up lo: {e}") from e
+        with self.journal.claiming(rec.sandbox_id, new):
+            try:
+                rec = await self.journal.begin_add(rec, new, ns, loopback=True)
+            except NetnsError as e:  # nothing was written, nothing to undo
+                raise AgentError(ErrorKind.PLUGIN_FAILED, f"cannot bring up lo: {e}") from e
+            return await self._add_begun(rec, new, nets, ns)
+
+    async def _add_begun(self, rec: SandboxRecord, new: Sequence[Attachment],
+                         nets: Sequence[NetworkConfigList], ns: Pinned) -> dict[str, Any]:
         done: list[CachedAttachment] = []
         ifnames = [a.ifname for a in new]
         for i, (net, att) in enumerate(zip(nets, new, strict=True)):
@@ -329,26 +356,27 @@ class SandboxManager:
 
     # --- Teardown -------------------------------------------------------------------
 
-    async def teardown(self, sandbox_id: str, netns: str = "", caller: int = ROOT) -> None:
-        with log_fields(SANDBOX_ID=sandbox_id):
+    async def teardown(self, sandbox_id: str, netns: str = "", caller: Caller = ROOT) -> None:
+        with classified():
+            sid = self.own_id(caller, sandbox_id)
+        with log_fields(SANDBOX_ID=sid):
             with classified():
-                await self._teardown(sandbox_id, netns, caller)
+                await self._teardown(sid, netns, caller)
 
-    async def _teardown(self, sandbox_id: str, netns: str, caller: int) -> None:
-        validate_container_id(sandbox_id)
+    async def _teardown(self, sandbox_id: str, netns: str, caller: Caller) -> None:
         validate_removal_netns(netns)
         with self.order.arrive(sandbox_id, Kind.REMOVE) as ticket:
             # The caller's path is checked and pinned now, before any wait, like
             # Setup's; it is used only when no record says where the sandbox is.
             # Only root's path is opened: another caller's sandbox has a record
             # to go by, and without one it is not the caller's.
-            given_cm = (self.journal.paths.pinned_if_netns(netns) if netns and caller == ROOT
+            given_cm = (self.journal.paths.pinned_if_netns(netns) if netns and caller.root
                         else no_netns())
             async with unless_hung(given_cm) as given, self.locked(ticket):
                 rec, entries = await self.journal.view(sandbox_id)
                 if rec is None and not entries:
                     return  # nothing known: success, as DEL of nothing is
-                owners.require(sandbox_id, caller, rec, entries)
+                Policy.holds(caller, sandbox_id, rec.owner if rec else None)
                 # Where the DELs run: the recorded namespace if it still is the
                 # one; without a record (another tool's entries) the caller's;
                 # else none — an empty netns, which DEL must tolerate.
@@ -366,29 +394,29 @@ class SandboxManager:
 
     # --- Check, Show, List ------------------------------------------------------------
 
-    async def check(self, sandbox_id: str, netns: str, caller: int = ROOT) -> None:
-        with log_fields(SANDBOX_ID=sandbox_id):
+    async def check(self, sandbox_id: str, netns: str, caller: Caller = ROOT) -> None:
+        with classified():
+            sid = self.own_id(caller, sandbox_id)
+        with log_fields(SANDBOX_ID=sid):
             with classified():
-                await self._check(sandbox_id, netns, caller)
+                await self._check(sid, netns, caller)
 
-    async def _check(self, sandbox_id: str, netns: str, caller: int) -> None:
+    async def _check(self, sandbox_id: str, netns: str, caller: Caller) -> None:
         self.gate()
-        validate_container_id(sandbox_id)
-        if caller != ROOT:
+        if not caller.root:
             # Its own record names the namespace: no caller's path is opened.
             rec, _ = await self.journal.view(sandbox_id, repair=False)
-            if rec is None or rec.owner != caller:
-                raise owners.denied(sandbox_id, caller)
+            Policy.holds(caller, sandbox_id, rec.owner if rec else None)
+            assert rec is not None
             netns = rec.netns
         async with self.journal.paths.pinned(netns) as ns:
             await self._check_in(sandbox_id, ns, caller)
 
-    async def _check_in(self, sandbox_id: str, ns: Pinned, caller: int = ROOT) -> None:
+    async def _check_in(self, sandbox_id: str, ns: Pinned, caller: Caller = ROOT) -> None:
         with self.order.arrive(sandbox_id, Kind.OTHER) as ticket:
             async with self.locked(ticket):
                 rec, entries = await self.journal.view(sandbox_id)
-                if caller != ROOT and (rec is None or rec.owner != caller):
-                    raise owners.denied(sandbox_id, caller)
+                Policy.holds(caller, sandbox_id, rec.owner if rec else None)
                 if rec is None or rec.phase is not Phase.READY:
                     raise AgentError(ErrorKind.NOT_FOUND, f"sandbox {sandbox_id} is not set up")
                 if rec.netns != ns.path or not await is_recorded(rec, entries, ns):
@@ -419,27 +447,27 @@ class SandboxManager:
                     item["check"] = check_document(att, self.checks.last_check(sid, att))
         return doc
 
-    async def show(self, sandbox_id: str, caller: int = ROOT) -> dict[str, Any]:
+    async def show(self, sandbox_id: str, caller: Caller = ROOT) -> dict[str, Any]:
         with classified():
-            validate_container_id(sandbox_id)
+            sid = self.own_id(caller, sandbox_id)
             # No lock here: a damaged record is reported, and left to be set aside
             # by the next operation or reaping pass that holds the sandbox's lock.
-            rec, entries = await self.journal.view(sandbox_id, repair=False)
-        if caller != ROOT and (rec is None or rec.owner != caller):
-            raise owners.denied(sandbox_id, caller)
+            rec, entries = await self.journal.view(sid, repair=False)
+        Policy.holds(caller, sid, rec.owner if rec else None)
         if not entries:
             raise AgentError(ErrorKind.NOT_FOUND, f"sandbox {sandbox_id} has no cached attachments")
         doc = self._document(rec, entries, with_checks=True)
-        if rec is None and (damaged := self.journal.store.damaged(sandbox_id)):
+        if rec is None and (damaged := self.journal.store.damaged(sid)):
             doc["damaged_record"] = damaged
-        return doc
+        return shown(caller, doc)
 
-    async def list(self, caller: int = ROOT) -> list[str]:
+    async def list(self, caller: Caller = ROOT) -> list[str]:
         def scan() -> list[str]:
-            records = self.journal.store.all()[0]
-            if caller != ROOT:
-                return sorted(r.sandbox_id for r in records
-                              if r.phase is Phase.READY and r.owner == caller)
+            # A caller that is not root reads its own records only (by name).
+            records = self.journal.store.all(Policy.own_prefix(caller))[0]
+            if not caller.root:
+                return sorted(Policy.shown(caller, r.sandbox_id) for r in records
+                              if r.phase is Phase.READY and r.owner == caller.uid)
             ids = {r.sandbox_id for r in records if r.phase is Phase.READY}
             ids.update(e.container_id for e in self.journal.runtime.cache.all())
             return sorted(ids)
@@ -448,24 +476,25 @@ class SandboxManager:
 
     # --- node-wide ------------------------------------------------------------------------
 
-    async def garbage_collect(self, valid_ids: Sequence[str], caller: int = ROOT) -> None:
+    async def garbage_collect(self, valid_ids: Sequence[str], caller: Caller = ROOT) -> None:
+        """Reap what `valid_ids` does not list (and anything dead). A caller that
+        is not root speaks for its own sandboxes only, and its GC touches no
+        other (decided under each sandbox's lock, `Reaper.collect`)."""
         with classified():
             self.gate()
-            for sid in valid_ids:
-                validate_container_id(sid, "valid_sandbox_ids")
-            valid = set(valid_ids)
-            if caller != ROOT:
-                # A caller's list speaks for its own sandboxes only; the others'
-                # are judged by liveness alone, as an unprompted pass judges them.
-                records, _ = await asyncio.to_thread(self.journal.store.all)
-                cached = await asyncio.to_thread(self.journal.runtime.cache.all)
-                valid |= {r.sandbox_id for r in records if r.owner != caller}
-                valid |= {e.container_id for e in cached} - {r.sandbox_id for r in records}
-            report = await self.reaper.collect(valid)
+            valid = {self.own_id(caller, sid, field="valid_sandbox_ids") for sid in valid_ids}
+            report = await self.reaper.collect(valid, owner=None if caller.root else caller.uid,
+                                               prefix=Policy.own_prefix(caller))
         if report.errors:
             raise AgentError(ErrorKind.PLUGIN_FAILED,
                              f"garbage collection finished with {len(report.errors)} error(s): "
                              + report.errors[0])
+
+
+def shown(caller: Caller, doc: dict[str, Any]) -> dict[str, Any]:
+    """A result document with the sandbox id as `caller` knows it."""
+    doc["sandbox"] = Policy.shown(caller, doc["sandbox"])
+    return doc
 
 
 def check_document(att: Attachment, last: float) -> dict[str, Any]:

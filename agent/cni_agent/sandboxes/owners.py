@@ -1,51 +1,25 @@
-"""Who a sandbox belongs to, and how a caller's namespace reaches the agent.
+"""How a caller's network namespace reaches the agent (who may: `policy`).
 
-Each sandbox records the uid that set it up (records before 0.2: root's).
-Root sees and may do everything; any other caller (a member of the access
-group) only its own sandboxes, and it names its namespace by a descriptor it
-opened with its own rights, never by a path the root agent would open for it.
-Reaping and GC go by liveness, not owners.
+Root names a namespace by path, which the agent opens. Any other caller
+passes a descriptor it opened with its own rights, and the namespace must be
+one its uid is privileged over (`Policy.netns`): nsfs files are
+world-readable, so holding a descriptor proves nothing. The path is then only
+the name the sandbox is recorded by, and must name the same namespace.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
-from cni_agent.api import AgentError, ErrorKind
 from cni_agent.cni.errors import InvalidArgument
 from cni_agent.node.blocking import UNANSWERED, PathWorker
 from cni_agent.node.netns import Pinned
-from cni_agent.sandboxes.records import SandboxRecord
-
-ROOT = 0
-
-
-def denied(sandbox_id: str, caller: int) -> AgentError:
-    """The same words whether the sandbox is another's or does not exist."""
-    return AgentError(ErrorKind.ACCESS_DENIED,
-                      f"sandbox {sandbox_id} is not one of uid {caller}'s sandboxes")
-
-
-def owns(caller: int, rec: SandboxRecord | None, entries: Mapping[Any, Any]) -> bool:
-    """Whether `caller` may act on the sandbox: root always; another uid on its
-    own record, or where nothing exists yet (a Setup of a new id)."""
-    if caller == ROOT:
-        return True
-    if rec is None:
-        return not entries  # cache entries without a record: another tool's, root's
-    return rec.owner == caller
-
-
-def require(sandbox_id: str, caller: int, rec: SandboxRecord | None,
-            entries: Mapping[Any, Any]) -> None:
-    if not owns(caller, rec, entries):
-        raise denied(sandbox_id, caller)
+from cni_agent.sandboxes.policy import Caller, Policy
 
 
 @asynccontextmanager
-async def callers_netns(paths: PathWorker, netns: str, netns_fd: int | None, caller: int
+async def callers_netns(paths: PathWorker, netns: str, netns_fd: int | None, caller: Caller
                         ) -> AsyncIterator[Pinned]:
     """The namespace an ADD runs in, pinned: the caller's descriptor, or (root
     only) the path, opened by the agent.
@@ -56,16 +30,17 @@ async def callers_netns(paths: PathWorker, netns: str, netns_fd: int | None, cal
     path (a caller must not learn through the agent what it cannot open).
     """
     if netns_fd is None:
-        if caller != ROOT:
-            raise AgentError(ErrorKind.ACCESS_DENIED,
-                             "only root may name a namespace by path: open it yourself and pass "
-                             "the descriptor as option netns_fd (D-Bus type h)")
+        Policy.named_by_path(caller)
         async with paths.pinned(netns) as ns:
             yield ns
         return
     if not netns:
         raise InvalidArgument("netns", "must name the namespace of netns_fd (it is recorded by it)")
-    async with paths.pinned_fd(netns_fd, netns) as ns:
+
+    def vet(owners: tuple[int, ...] | None) -> None:
+        Policy.netns(caller, owners)
+
+    async with paths.pinned_fd(netns_fd, netns, vet) as ns:
         try:
             async with paths.pinned_if_netns(netns) as named:
                 same = named is not None and named.identity.same(ns.identity)

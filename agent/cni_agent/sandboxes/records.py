@@ -285,19 +285,21 @@ class SandboxStore:
         except FileNotFoundError:
             return
 
-    def ids(self) -> list[str]:
+    def ids(self, prefix: str = "") -> list[str]:
+        """The ids of the records (those beginning `prefix`)."""
         try:
             names = os.listdir(self.dir)
         except FileNotFoundError:
             return []
         return sorted(n[: -len(".json")] for n in names
-                      if n.endswith(".json") and not n.startswith("."))
+                      if n.endswith(".json") and not n.startswith(".") and n.startswith(prefix))
 
-    def scan(self) -> Listing:
-        """Every record: the readable ones, the ids of damaged ones, and of those
-        that cannot be read now (to be left alone: looked at again next time)."""
+    def scan(self, prefix: str = "") -> Listing:
+        """Every record (of the ids beginning `prefix`): the readable ones, the
+        ids of damaged ones, and of those that cannot be read now (to be left
+        alone: looked at again next time)."""
         listing = Listing([], [], [])
-        for sid in self.ids():
+        for sid in self.ids(prefix):
             try:
                 rec = self.read(sid)
             except DamagedRecord:
@@ -310,10 +312,10 @@ class SandboxStore:
                 listing.records.append(rec)
         return listing
 
-    def all(self) -> tuple[list[SandboxRecord], list[str]]:
-        """Every readable record, and the ids of damaged ones (`scan` without
-        those that cannot be read now)."""
-        listing = self.scan()
+    def all(self, prefix: str = "") -> tuple[list[SandboxRecord], list[str]]:
+        """Every readable record (of the ids beginning `prefix`), and the ids
+        of damaged ones (`scan` without those that cannot be read now)."""
+        listing = self.scan(prefix)
         return listing.records, listing.damaged
 
 

@@ -1,27 +1,33 @@
-"""Who may call: root, a member of `access.groups`, or whom polkit authorizes.
+"""Who is calling: the caller's role from the bus's credentials, and polkit.
 
 Checked here, in the daemon: the bus policy lets every caller reach the
 interface, and a node agent must not rely on a policy file it does not
-control anyway (a permissive bus, a custom dbus-daemon config).
+control anyway (a permissive bus, a custom dbus-daemon config). What each
+role may do is `sandboxes.policy`'s to say; this module only finds the role
+(root, a member of `access.groups`, or a stranger) and, where the policy
+lets polkit decide, asks it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import grp
 import logging
 import os
 import pwd
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 from dbus_fast import Message, MessageType
 
 from cni_agent.api import AgentError, ErrorKind
-from cni_agent.service.polkit import Polkit, action_for
+from cni_agent.sandboxes.policy import ACTIONS, Caller, Policy, Role, Scope
+from cni_agent.service.polkit import Polkit
 
 log = logging.getLogger(__name__)
 
-_CACHE_LIMIT = 512
+_CACHE_LIMIT = 1024
 
 
 def resolve_groups(names: Sequence[str]) -> frozenset[int]:
@@ -39,17 +45,47 @@ class Authorizer:
         self.bus = bus
         self.polkit = polkit
         self.set_groups(groups)
-        # Unique bus names are never reused, so caching per sender is safe.
-        self._cache: dict[str, tuple[int, frozenset[int]]] = {}
+        # Unique bus names are never reused, so caching per sender is safe;
+        # the oldest go first (a flood of connections cannot evict everyone).
+        self._cache: OrderedDict[str, tuple[int, frozenset[int]]] = OrderedDict()
+        self._asking: dict[str, asyncio.Task[tuple[int, frozenset[int]]]] = {}
 
     def set_groups(self, groups: Sequence[str]) -> None:
         """`access.groups`, at start and on a reload."""
         self.group_names = tuple(groups)
         self.gids = resolve_groups(groups)
 
+    def known(self, sender: str | None) -> Caller | None:
+        """The caller, if its credentials were read before (no bus call)."""
+        creds = self._cache.get(sender) if sender is not None else None
+        return None if creds is None else self._caller(*creds)
+
+    def _caller(self, uid: int, gids: frozenset[int]) -> Caller:
+        if uid == 0:
+            return Caller(0, Role.ROOT)
+        return Caller(uid, Role.MEMBER if gids & self.gids else Role.STRANGER)
+
+    def learn(self, sender: str) -> None:
+        """Read a sender's credentials in the background (a stranger's property
+        reads, say, which no method of ours serves), so its next calls are known."""
+        if sender not in self._cache:
+            self._lookup(sender)
+
+    def _lookup(self, sender: str) -> asyncio.Task[tuple[int, frozenset[int]]]:
+        """One bus call per sender, however many calls wait for its answer."""
+        task = self._asking.get(sender)
+        if task is None:
+            task = self._asking[sender] = asyncio.ensure_future(self._read_credentials(sender))
+            task.add_done_callback(lambda t: (self._asking.pop(sender, None),
+                                              t.cancelled() or t.exception()))
+        return task
+
     async def _credentials(self, sender: str) -> tuple[int, frozenset[int]]:
         if sender in self._cache:
             return self._cache[sender]
+        return await asyncio.shield(self._lookup(sender))
+
+    async def _read_credentials(self, sender: str) -> tuple[int, frozenset[int]]:
         reply = await self.bus.call(Message(
             destination="org.freedesktop.DBus", path="/org/freedesktop/DBus",
             interface="org.freedesktop.DBus", member="GetConnectionCredentials",
@@ -67,37 +103,28 @@ class Authorizer:
                 gids = frozenset(os.getgrouplist(pw.pw_name, pw.pw_gid))
             except KeyError:
                 gids = frozenset()
-        if len(self._cache) >= _CACHE_LIMIT:
-            self._cache.clear()
+        while len(self._cache) >= _CACHE_LIMIT:
+            self._cache.popitem(last=False)
         self._cache[sender] = (uid, gids)
         return uid, gids
 
-    async def identify(self, sender: str | None, what: str) -> tuple[int, bool]:
-        """The caller's uid, and whether it is privileged (root or a member)."""
+    async def identify(self, sender: str | None, what: str) -> Caller:
+        """The caller of method `what`: root, a member or a stranger."""
         if sender is None:
             raise AgentError(ErrorKind.ACCESS_DENIED, f"{what}: the caller is unknown")
-        uid, gids = await self._credentials(sender)
-        return uid, uid == 0 or bool(gids & self.gids)
+        return self._caller(*await self._credentials(sender))
 
-    async def require(self, sender: str | None, what: str, interactive: bool = False) -> int:
-        """The uid of a caller that may call method `what`; else AccessDenied.
-
-        Root and members without asking anyone; any other caller if polkit
-        authorizes it (`interactive`: the call allows an authentication
-        dialog). Either way a caller that is not root then reaches only the
-        namespaces it opened and the sandboxes it set up.
-        """
-        uid, privileged = await self.identify(sender, what)
-        if privileged:
-            return uid
+    async def authorize(self, caller: Caller, sender: str | None, method: str, scope: Scope,
+                        interactive: bool = False) -> Caller:
+        """`caller`, if the policy lets it call `method`; else a delegate, if
+        polkit authorizes the scope's action; else AccessDenied."""
+        if Policy.permits(caller, scope):
+            return caller
         why = ""
-        if self.polkit is not None and sender is not None:
-            authorized, why = await self.polkit.check(sender, action_for(what), interactive)
+        action = ACTIONS.get(scope)
+        if action is not None and self.polkit is not None and sender is not None:
+            authorized, why = await self.polkit.check(sender, action, interactive)
             if authorized:
-                return uid
-        groups = " or ".join(self.group_names) or "(none configured)"
-        raise AgentError(
-            ErrorKind.ACCESS_DENIED,
-            f"{what} requires root or membership in the {groups} group (caller uid {uid})"
-            + (f"; {why}" if why else ""),
-        )
+                return Caller(caller.uid, Role.DELEGATE)
+        reason = Policy.refusal(caller, method, scope, self.group_names)
+        raise AgentError(ErrorKind.ACCESS_DENIED, reason + (f"; {why}" if why else ""))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -123,7 +124,13 @@ def parse_cni_args(text: str) -> tuple[tuple[str, str], ...]:
 
 
 def _valid_attachments(conf: Mapping[str, Any]) -> frozenset[tuple[str, str]]:
-    raw = conf.get(VALID_ATTACHMENTS_KEY, conf.get(LEGACY_ATTACHMENTS_KEY, []))
+    """The spec's list; null or absent is the empty list: libcni marshals a Go
+    nil slice as null, which is what CRI-O sends when it starts with no pods."""
+    raw = conf.get(VALID_ATTACHMENTS_KEY)
+    if raw is None:
+        raw = conf.get(LEGACY_ATTACHMENTS_KEY)
+    if raw is None:
+        raw = []
     if not isinstance(raw, list):
         raise Refusal(CODE_INVALID_CONFIG, f"{VALID_ATTACHMENTS_KEY} must be a list")
     out = set()
@@ -232,16 +239,17 @@ class ShimCalls:
     """Serves `CNICall`: one method for every verb of the shim."""
 
     def __init__(self, attachments: Attachments, monitor: Monitor,
-                 on_call: Callable[[str, int], None] = lambda command, code: None,
+                 on_call: Callable[[str, int, float], None] = lambda command, code, seconds: None,
                  first_verdict: float = 10.0) -> None:
         self.attachments = attachments
         self.monitor = monitor
-        self._on_call = on_call  # (command, 0 or the CNI error code): metrics
+        self._on_call = on_call  # (command, 0 or the CNI error code, seconds): metrics
         # How long a STATUS at start-up waits for the first verdict (timeouts.status:
         # the default network's first STATUS is due by then).
         self._first_verdict = first_verdict
 
     async def handle(self, env: Mapping[str, str], config: str) -> Answer:
+        start = time.monotonic()
         try:
             call = parse_call(env, config)
         except Refusal as r:
@@ -252,7 +260,8 @@ class ShimCalls:
             except (AgentError, CNIError) as e:
                 answer = failure_answer(call, e)
         command = command_of(env)
-        self._on_call(command if command in COMMANDS else "invalid", answer.code)
+        self._on_call(command if command in COMMANDS else "invalid", answer.code,
+                      time.monotonic() - start)
         return answer
 
     async def _run(self, call: ShimCall) -> Answer:

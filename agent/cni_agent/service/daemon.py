@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import os
 import signal
@@ -35,7 +36,7 @@ from cni_agent.service.logs import set_log_level, setup_logging
 from cni_agent.service.notify import Notifier
 from cni_agent.service.polkit import Polkit
 from cni_agent.service.reconfig import merge
-from cni_agent.service.wiring import build_core, instance_of
+from cni_agent.service.wiring import build_core, instance_of, policy_of
 
 log = logging.getLogger(__name__)
 # Seconds allowed for giving the bus name back at exit.
@@ -51,6 +52,32 @@ class StartupError(Exception):
     def __init__(self, message: str, exit_status: int = 1) -> None:
         super().__init__(message)
         self.exit_status = exit_status
+
+
+def _close_on_exec_inherited() -> None:
+    """Descriptors the agent was started with (beyond 0-2) never reach a plugin.
+
+    Python opens its own close-on-exec and the bus's gate marks those that
+    arrive on messages; these are the only others.
+    """
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd > 2:
+            with contextlib.suppress(OSError):
+                os.set_inheritable(fd, False)
+
+
+# glibc raises its mmap threshold to the largest block freed (up to 32 MiB):
+# after one huge message (anyone may send 32 MiB through the bus), every later
+# big buffer comes from the heap, and the heap rarely shrinks. A fixed
+# threshold keeps big blocks mmapped, so they go back to the system when freed.
+_M_MMAP_THRESHOLD = -3
+_MMAP_THRESHOLD = 128 * 1024
+
+
+def _return_big_blocks_to_the_system() -> None:
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: its own policy
+        ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
 
 
 def _prepare_dirs(cfg: AgentConfig) -> None:
@@ -127,6 +154,7 @@ class Daemon:
         self.monitor.interval = cfg.monitor.interval
         self.monitor.grace_period = cfg.monitor.grace_period
         self.pod_cidrs.configure(cfg.pod_cidrs)
+        self.manager.policy = policy_of(cfg)
         if hasattr(self, "iface"):
             self.iface.authorizer.set_groups(cfg.access.groups)
         set_log_level(cfg.log_level)
@@ -154,6 +182,8 @@ class Daemon:
         loop = asyncio.get_running_loop()
         # Plugins inherit it (posix_spawn takes no cwd); every configured path is absolute.
         os.chdir("/")
+        _close_on_exec_inherited()
+        _return_big_blocks_to_the_system()
         try:
             await asyncio.to_thread(_prepare_dirs, self.cfg)
             state_lock = lock_state_dir(self.cfg.state_dir)
@@ -191,7 +221,8 @@ class Daemon:
                                     shim=self.core.shim, on_operation=self.core.metrics.operation,
                                     check_now=self.core.drift.check_now)
         self.core.checks.subscribe(self.iface.on_check)
-        bus.add_message_handler(self.iface.message_handler)
+        self.iface.gate.send = bus.send
+        bus.add_message_handler(self.iface.gate)
         bus.export(OBJECT_PATH, self.iface)
         # systemd first: its STATUS= line never depends on the bus being there.
         self.monitor.subscribe(self._on_state)
@@ -277,6 +308,7 @@ class Daemon:
             await asyncio.wait({lost}, timeout=max(0.01, wake - now))
 
     async def _shutdown(self, bus: MessageBus, lost: asyncio.Future[None]) -> None:
+        self.iface.begin_shutdown()
         self.manager.draining = True
         self.monitor.begin_shutdown()  # NetworkReady=false now; waiters get False
         self.notifier.stopping(self.monitor.state.status)

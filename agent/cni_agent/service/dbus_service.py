@@ -8,18 +8,17 @@ contract's error names with a message a person can act on.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import gc
 import inspect
 import json
 import logging
 import math
-import os
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from contextvars import ContextVar
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from dbus_fast import Message, MessageFlag, MessageType, Variant
+from dbus_fast import Variant
 from dbus_fast.constants import PropertyAccess
 from dbus_fast.errors import DBusError
 from dbus_fast.service import ServiceInterface, dbus_property, method, signal
@@ -29,12 +28,11 @@ from cni_agent.api import (
     ERROR_PREFIX,
     INTERFACE,
     INTERFACE_REVISION,
-    OBJECT_PATH,
     AgentError,
     ErrorKind,
     wire_text,
 )
-from cni_agent.cni.args import PodMeta, validate_container_id
+from cni_agent.cni.args import PodMeta
 from cni_agent.cni.errors import InvalidArgument
 from cni_agent.readiness.monitor import Monitor, NetworkState
 from cni_agent.readiness.podcidrs import PodCIDRs
@@ -42,8 +40,11 @@ from cni_agent.sandboxes.attach import AttachRequest
 from cni_agent.sandboxes.checks import Outcome
 from cni_agent.sandboxes.errors import classify
 from cni_agent.sandboxes.manager import DEFAULT_IFNAME, NetworkRequest, SandboxManager, SetupRequest
+from cni_agent.sandboxes.policy import METHODS, Caller, Role, Scope, cnicall_scope
 from cni_agent.service.auth import Authorizer
-from cni_agent.service.cnicall import READ_ONLY, ShimCalls, command_of
+from cni_agent.service.cnicall import ShimCalls, command_of
+from cni_agent.service.gate import Gate, close_all
+from cni_agent.service.limits import StrangerLimits
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ OPTION_KEYS = {"networks": "a(ss)", "args": "a{ss}", "pod": "a{ss}", "capabiliti
                "netns_fd": "h"}
 # For callers that are neither root nor in the access group (read-only calls).
 UNPRIVILEGED_MAX_STDIN = 64 * 1024
-UNPRIVILEGED_MAX_WAITS = 8  # WaitReady calls at once, per connection
+UNPRIVILEGED_MAX_REPLY = 64 * 1024
 
 # Method name → the D-Bus input signature (checked before dispatch, so a wrong
 # signature is InvalidArgument, not a generic UnknownMethod).
@@ -238,7 +239,7 @@ class AgentInterface(ServiceInterface):
         *,
         shim: ShimCalls,
         on_operation: Callable[[str, str, float], None] = lambda method, result, seconds: None,
-        check_now: Callable[[list[str], int], Awaitable[list[dict[str, Any]]]] | None = None,
+        check_now: Callable[[list[str], Caller], Awaitable[list[dict[str, Any]]]] | None = None,
     ) -> None:
         super().__init__(INTERFACE)
         for sig in ServiceInterface._get_signals(self):
@@ -255,76 +256,102 @@ class AgentInterface(ServiceInterface):
         self.authorizer = authorizer
         self._reload = reload
         self.in_flight = InFlight()
-        self._caller: ContextVar[str | None] = ContextVar("cni_agent_caller", default=None)
-        # The descriptors a call carried: ours to close once it is answered.
-        self._fds: ContextVar[tuple[int, ...]] = ContextVar("cni_agent_fds", default=())
-        self._uid: ContextVar[int] = ContextVar("cni_agent_uid", default=-1)
-        self._interactive: ContextVar[bool] = ContextVar("cni_agent_interactive", default=False)
-        self._waits: dict[str, int] = {}  # sender → WaitReady calls in flight (unprivileged)
+        self.limits = StrangerLimits()
+        # The bus's message handler: descriptors and strangers' rates (gate.py).
+        self.gate = Gate(authorizer, self.limits, SIGNATURES, OPTION_KEYS)
+        self._collecting: asyncio.TimerHandle | None = None
         self._shown = monitor.state
         pod_cidrs.subscribe(self.on_pod_cidrs)
 
     # --- plumbing -------------------------------------------------------------------
 
-    def message_handler(self, msg: Message) -> Message | None:
-        """Runs for every incoming message before dispatch (see `bus.add_message_handler`).
-
-        Stores the sender for the handler task about to be created (a task
-        copies the context at creation), and answers wrong signatures.
-        """
-        if msg.message_type is not MessageType.METHOD_CALL or msg.path != OBJECT_PATH:
-            return None
-        self._caller.set(msg.sender)
-        self._fds.set(tuple(fd for fd in msg.unix_fds if isinstance(fd, int)))
-        self._interactive.set(bool(msg.flags & MessageFlag.ALLOW_INTERACTIVE_AUTHORIZATION))
-        if msg.interface in (INTERFACE, None) and msg.member in SIGNATURES:
-            expected = SIGNATURES[msg.member]
-            if (msg.signature or "") != expected:
-                return Message.new_error(
-                    msg, ERROR_PREFIX + "InvalidArgument",
-                    f"{msg.member} takes arguments ({expected}), not ({msg.signature or ''})",
-                )
-        return None
-
-    async def _serve(self, name: str, work: Callable[[], Awaitable[Any]], mutating: bool = True) -> Any:
+    async def _serve(self, name: str, work: Callable[[Caller], Awaitable[Any]],
+                     scope: Scope | None = None) -> Any:
+        """Serve one call: who calls (root, member, stranger), whether the
+        policy lets it (asking polkit where it may decide), within a
+        stranger's bounds; then `work(caller)`, its failure turned into one of
+        the contract's errors. Only calls of root, members and whom polkit
+        authorized count for the shutdown's drain."""
         result = "Cancelled"  # the caller left or we are stopping, unless set below
         # dbus-fast runs the handler as the message is read: this is its arrival.
         arrived = time.monotonic()
-        work_to_come = mutating and name not in READS
+        info = self.gate.call.get()
+        scope = METHODS[name] if scope is None else scope
+        try:
+            caller = await self.authorizer.identify(info.sender, name)
+            with self._bounded(caller, info.counted):
+                caller = await self.authorizer.authorize(caller, info.sender, name, scope,
+                                                         info.interactive)
+                if caller.role is Role.STRANGER:  # a read, within the stranger's bounds
+                    value = _sendable(await work(caller))
+                    result = "ok"
+                    return value
+            value = _sendable(await self._counted(name, scope, lambda: work(caller)))
+            result = "ok"
+            return value
+        except Exception as e:
+            if isinstance(e, AgentError):
+                err = _error(e)
+            elif isinstance(e, DBusError):
+                err = e
+            else:
+                if not isinstance(e, InvalidArgument):
+                    log.exception("%s failed unexpectedly", name)
+                err = _error(classify(e))
+            result = _short(err)
+            if not info.wants_reply:  # nobody to tell (dbus-fast would log it as a crash)
+                log.debug("%s (no reply expected) failed: %s", name, err.text)
+                return None
+            try:
+                raise err from None
+            finally:  # the traceback holds this frame: no cycle keeping the call's arguments
+                del err, e
+        finally:
+            close_all(info.fds)
+            if info.big:
+                self._collect_soon()
+            self._on_operation(name, result, time.monotonic() - arrived)
+
+    def _collect_soon(self) -> None:
+        """A huge call (anyone may send 32 MiB) is kept alive after its answer by
+        the reference cycles an error's traceback makes (dbus-fast's future and
+        its callback): collect them once it has been answered."""
+        if self._collecting is None:
+            def collect() -> None:
+                self._collecting = None
+                gc.collect()
+
+            self._collecting = asyncio.get_running_loop().call_later(0.05, collect)
+
+    @contextmanager
+    def _bounded(self, caller: Caller, counted: bool) -> Iterator[None]:
+        """A stranger's call against its uid's rate (unless the gate counted
+        it) and in-flight bound; nothing for anyone else."""
+        if caller.role is not Role.STRANGER:
+            yield
+            return
+        if not counted and not self.limits.take(caller.uid):
+            raise self.limits.over_rate()
+        with self.limits.flight(caller.uid):
+            yield
+
+    async def _counted(self, name: str, scope: Scope, work: Callable[[], Awaitable[Any]]) -> Any:
+        """In flight for the drain; a call that may change something also marks
+        activity (a caller's next call tends to follow its last answer)."""
+        work_to_come = scope is not Scope.OPEN and name not in READS
         with self.in_flight:
             if work_to_come:
                 self.in_flight.touch()
             try:
-                if mutating:
-                    self._uid.set(await self.authorizer.require(
-                        self._caller.get(), name, self._interactive.get()))
-                value = _sendable(await work())
-                result = "ok"
-                return value
-            except AgentError as e:
-                err = _error(e)
-                result = _short(err)
-                raise err from None
-            except DBusError as e:
-                result = _short(e)
-                raise
-            except Exception as e:
-                if not isinstance(e, InvalidArgument):
-                    log.exception("%s failed unexpectedly", name)
-                err = _error(classify(e))
-                result = _short(err)
-                raise err from None
+                return await work()
             finally:
-                for fd in self._fds.get():
-                    with contextlib.suppress(OSError):
-                        os.close(fd)
                 if work_to_come:
                     self.in_flight.touch()
-                self._on_operation(name, result, time.monotonic() - arrived)
 
-    async def _privileged(self, what: str) -> bool:
-        """Whether the caller is root or a member (for the bounds of read-only calls)."""
-        return (await self.authorizer.identify(self._caller.get(), what))[1]
+    def begin_shutdown(self) -> None:
+        """No call waits for polkit from now on (its callers get ShuttingDown)."""
+        if self.authorizer.polkit is not None:
+            self.authorizer.polkit.stop()
 
     def on_state(self, state: NetworkState) -> None:
         """Monitor listener: announce exactly the properties that changed."""
@@ -429,11 +456,11 @@ class AgentInterface(ServiceInterface):
     @method()
     @signature("s", "s", "a{sv}", returns="s")
     async def Setup(self, sandbox_id: str, netns: str, options: dict[str, Variant]) -> str:
-        async def work() -> str:
-            opts = parse_options(options, fds=self._fds.get())
+        async def work(caller: Caller) -> str:
+            opts = parse_options(options, fds=self.gate.call.get().fds)
             req = SetupRequest(sandbox_id, netns, opts.get("networks", ()), opts.get("args", ()),
                                opts.get("pod"), opts.get("capabilities", {}),
-                               netns_fd=opts.get("netns_fd"), caller=self._uid.get())
+                               netns_fd=opts.get("netns_fd"), caller=caller)
             return json.dumps(await self.manager.setup(req))
 
         result: str = await self._serve("Setup", work)
@@ -442,26 +469,26 @@ class AgentInterface(ServiceInterface):
     @method()
     @signature("s", "s", "a{sv}")
     async def Teardown(self, sandbox_id: str, netns: str, options: dict[str, Variant]) -> None:
-        async def work() -> None:
+        async def work(caller: Caller) -> None:
             parse_options(options)
-            await self.manager.teardown(sandbox_id, netns, self._uid.get())
+            await self.manager.teardown(sandbox_id, netns, caller)
 
         await self._serve("Teardown", work)
 
     @method()
     @signature("s", "s", "a{sv}")
     async def Check(self, sandbox_id: str, netns: str, options: dict[str, Variant]) -> None:
-        async def work() -> None:
+        async def work(caller: Caller) -> None:
             parse_options(options)
-            await self.manager.check(sandbox_id, netns, self._uid.get())
+            await self.manager.check(sandbox_id, netns, caller)
 
         await self._serve("Check", work)
 
     @method()
     @signature("s", returns="s")
     async def Show(self, sandbox_id: str) -> str:
-        async def work() -> str:
-            return json.dumps(await self.manager.show(sandbox_id, self._uid.get()))
+        async def work(caller: Caller) -> str:
+            return json.dumps(await self.manager.show(sandbox_id, caller))
 
         result: str = await self._serve("Show", work)
         return result
@@ -469,51 +496,37 @@ class AgentInterface(ServiceInterface):
     @method()
     @signature(returns="as")
     async def ListSandboxes(self) -> list[str]:
-        result: list[str] = await self._serve("ListSandboxes",
-                                              lambda: self.manager.list(self._uid.get()))
+        result: list[str] = await self._serve("ListSandboxes", self.manager.list)
         return result
 
     @method()
     @signature("d", returns="b")
     async def WaitReady(self, timeout_seconds: float) -> bool:
-        async def work() -> bool:
+        async def work(caller: Caller) -> bool:
             if not math.isfinite(timeout_seconds) or timeout_seconds < 0:
                 raise _invalid("timeout_seconds", "must be a non-negative number of seconds")
-            sender = self._caller.get() or ""
-            if await self._privileged("WaitReady"):
-                return await self.monitor.wait_ready(min(timeout_seconds, MAX_WAIT))
-            if self._waits.get(sender, 0) >= UNPRIVILEGED_MAX_WAITS:
-                raise AgentError(ErrorKind.BUSY, f"at most {UNPRIVILEGED_MAX_WAITS} WaitReady calls "
-                                                 "at once per connection (for callers neither root "
-                                                 "nor in the access group)")
-            self._waits[sender] = self._waits.get(sender, 0) + 1
-            try:
-                return await self.monitor.wait_ready(min(timeout_seconds, MAX_WAIT))
-            finally:
-                self._waits[sender] -= 1
-                if not self._waits[sender]:
-                    del self._waits[sender]
+            return await self.monitor.wait_ready(min(timeout_seconds, MAX_WAIT))
 
-        result: bool = await self._serve("WaitReady", work, mutating=False)
+        result: bool = await self._serve("WaitReady", work)
         return result
 
     @method()
     @signature("as")
     async def GarbageCollect(self, valid_sandbox_ids: list[str]) -> None:
-        async def work() -> None:
-            await self.manager.garbage_collect(valid_sandbox_ids, self._uid.get())
+        async def work(caller: Caller) -> None:
+            await self.manager.garbage_collect(valid_sandbox_ids, caller)
 
         await self._serve("GarbageCollect", work)
 
     @method()
     @signature()
     async def Reload(self) -> None:
-        await self._serve("Reload", self._reload)
+        await self._serve("Reload", lambda caller: self._reload())
 
     @method()
     @signature("as")
     async def SetPodCIDRs(self, cidrs: list[str]) -> None:
-        async def work() -> None:
+        async def work(caller: Caller) -> None:
             await self.pod_cidrs.set(cidrs)  # its listener announces a change
 
         await self._serve("SetPodCIDRs", work)
@@ -521,7 +534,7 @@ class AgentInterface(ServiceInterface):
     @method()
     @signature()
     async def ResetPodCIDRs(self) -> None:
-        async def work() -> None:
+        async def work(caller: Caller) -> None:
             await self.pod_cidrs.reset()
 
         await self._serve("ResetPodCIDRs", work)
@@ -529,12 +542,10 @@ class AgentInterface(ServiceInterface):
     @method()
     @signature("as", returns="s")
     async def CheckSandboxes(self, sandbox_ids: list[str]) -> str:
-        async def work() -> str:
+        async def work(caller: Caller) -> str:
             if self._check_now is None:
                 raise AgentError(ErrorKind.NOT_FOUND, "checks are not available")
-            for sid in sandbox_ids:
-                validate_container_id(sid, "sandbox_ids")
-            found = await self._check_now(list(sandbox_ids), self._uid.get())
+            found = await self._check_now(list(sandbox_ids), caller)
             return json.dumps({"attachments": found})
 
         result: str = await self._serve("CheckSandboxes", work)
@@ -544,11 +555,11 @@ class AgentInterface(ServiceInterface):
     @signature("s", "s", "s", "s", "a{sv}", returns="s")
     async def Attach(self, sandbox_id: str, netns: str, network: str, ifname: str,
                      options: dict[str, Variant]) -> str:
-        async def work() -> str:
-            opts = parse_options(options, ATTACH_OPTIONS, self._fds.get())
+        async def work(caller: Caller) -> str:
+            opts = parse_options(options, ATTACH_OPTIONS, self.gate.call.get().fds)
             req = AttachRequest(sandbox_id, netns, network, ifname or DEFAULT_IFNAME,
                                 opts.get("args", ()), opts.get("capabilities", {}),
-                                netns_fd=opts.get("netns_fd"), caller=self._uid.get())
+                                netns_fd=opts.get("netns_fd"), caller=caller)
             return json.dumps(await self.shim.attachments.attach(req))
 
         result: str = await self._serve("Attach", work)
@@ -558,33 +569,32 @@ class AgentInterface(ServiceInterface):
     @signature("s", "s", "s", "s", "a{sv}")
     async def Detach(self, sandbox_id: str, netns: str, network: str, ifname: str,
                      options: dict[str, Variant]) -> None:
-        async def work() -> None:
+        async def work(caller: Caller) -> None:
             parse_options(options, ATTACH_OPTIONS)
             await self.shim.attachments.detach(sandbox_id, netns, network,
-                                               ifname or DEFAULT_IFNAME, caller=self._uid.get())
+                                               ifname or DEFAULT_IFNAME, caller=caller)
 
         await self._serve("Detach", work)
 
     @method()
     @signature("a{ss}", "s", returns="us")
     async def CNICall(self, environment: dict[str, str], config: str) -> list[Any]:
-        async def work() -> list[Any]:
+        async def work(caller: Caller) -> list[Any]:
             if len(environment) > MAX_CNI_ENV:
                 raise _invalid("environment", f"more than {MAX_CNI_ENV} variables")
-            if mutating and self._uid.get() != 0:
-                # A runtime's call names its namespace by path: root's alone.
-                raise AgentError(ErrorKind.ACCESS_DENIED,
-                                 f"CNICall {command_of(environment) or '(no command)'} is for "
-                                 "runtimes running as root; use Setup or Attach with netns_fd")
-            if not mutating and len(config.encode()) > UNPRIVILEGED_MAX_STDIN and \
-                    not await self._privileged("CNICall"):
+            bounded = not caller.privileged
+            if bounded and len(config.encode()) > UNPRIVILEGED_MAX_STDIN:
                 raise _invalid("config", f"larger than {UNPRIVILEGED_MAX_STDIN} bytes (the limit "
                                          "for callers neither root nor in the access group)")
             env = {k: v for k, v in environment.items() if k.startswith("CNI_")}
             answer = await self.shim.handle(env, config)
-            return [answer.exit_status, answer.output]
+            output = answer.output
+            if bounded and len(output) > UNPRIVILEGED_MAX_REPLY:
+                output = output[:UNPRIVILEGED_MAX_REPLY]
+            return [answer.exit_status, output]
 
-        # STATUS and VERSION change nothing: open to all, like NetworkReady.
-        mutating = command_of(environment) not in READ_ONLY
-        result: list[Any] = await self._serve("CNICall", work, mutating=mutating)
+        # STATUS and VERSION change nothing: open to all, like NetworkReady;
+        # the others name a namespace by path: root's (a runtime's) alone.
+        result: list[Any] = await self._serve("CNICall", work,
+                                              cnicall_scope(command_of(environment)))
         return result

@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from cni_agent.config import parse_listen
 from cni_agent.readiness.monitor import Monitor
-from cni_agent.sandboxes.records import SandboxStore
+from cni_agent.sandboxes.records import Phase, SandboxStore
 from cni_agent.service.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,8 @@ class HealthServer:
         return web.Response(status=200 if state.ready else 503, text=state.status + "\n")
 
     async def _metrics_page(self, request: web.Request) -> web.Response:
-        sandboxes = len(await asyncio.to_thread(self._store.ids))
-        self._metrics.refresh(self._monitor, sandboxes)
+        records, unreadable = await asyncio.to_thread(self._store.all)
+        tearing_down = sum(1 for r in records if r.phase is Phase.DELETING)
+        self._metrics.refresh(self._monitor, len(records) + len(unreadable), tearing_down)
         return web.Response(body=self._metrics.exposition(),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -12,7 +12,14 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import Metric
 
@@ -91,12 +98,32 @@ class Metrics:
         self.repairs = Counter(
             "cni_agent_repairs", "Drifted attachments re-created (check.repair), by result",
             ("result",), registry=r)
+        self.tearing_down = Gauge(
+            "cni_agent_sandboxes_tearing_down",
+            "Sandboxes with an attachment whose removal has not finished (Show's state "
+            "tearing-down): a failed Teardown keeps it until one succeeds", registry=r)
+        self.reaping_passes = Counter(
+            "cni_agent_reaping_passes", "Periodic reaping passes (gc.interval), by whether they "
+            "removed any attachment (freed: yes or no)", ("freed",), registry=r)
+        self.shim_seconds = Histogram(
+            "cni_agent_shim_call_duration_seconds",
+            "Wall time of one CNI call forwarded by cni-agent-shim, by command",
+            ("command",), buckets=_OPERATION_BUCKETS, registry=r)
+        # The agent's own CPU, memory and descriptors (process_*), as the
+        # default registry would have them.
+        ProcessCollector(registry=r)
         self._last_ready: bool | None = None
         self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], MetricWrapperBase] = {}
         for how in ("deleted", "rolled_back"):
             self.reaped.labels(how)
         for result in ("ok", "failed", "unsupported", "disabled"):
             self.checks.labels(result)
+        # Counters an alert takes increase() of exist from the start: a series
+        # born at 1 would hide its first event.
+        for result in ("ok", "unverified", "failed", "refused"):
+            self.repairs.labels(result)
+        for freed in ("yes", "no"):
+            self.reaping_passes.labels(freed)
 
     # --- seams ---------------------------------------------------------------
 
@@ -122,8 +149,10 @@ class Metrics:
         if seconds is not None:
             self._child(self.operation_seconds, method).observe(seconds)
 
-    def shim_call(self, command: str, code: int) -> None:
+    def shim_call(self, command: str, code: int, seconds: float | None = None) -> None:
         self._child(self.shim_calls, command, "ok" if code == 0 else f"code_{code}").inc()
+        if seconds is not None:
+            self._child(self.shim_seconds, command).observe(seconds)
 
     def plugin_run(self, plugin: str, verb: str, result: str, seconds: float) -> None:
         """One plugin execution: its time and its outcome."""
@@ -144,6 +173,9 @@ class Metrics:
         if outcome.drifted:
             self._child(self.drift, outcome.network).inc()
 
+    def reaping_pass(self, freed: bool) -> None:
+        self._child(self.reaping_passes, "yes" if freed else "no").inc()
+
     def gc_report(self, deleted: int, rolled_back: int) -> None:
         self.reaped.labels("deleted").inc(deleted)
         self.reaped.labels("rolled_back").inc(rolled_back)
@@ -154,7 +186,7 @@ class Metrics:
 
     # --- scrape --------------------------------------------------------------
 
-    def refresh(self, monitor: Monitor, sandboxes: int) -> None:
+    def refresh(self, monitor: Monitor, sandboxes: int, tearing_down: int = 0) -> None:
         """Gauges read from their owners, just before a scrape."""
         state = monitor.state
         failing = dict(state.network_errors)
@@ -162,8 +194,10 @@ class Metrics:
         for name in state.networks:
             ok = name not in failing and (name != state.default_network or monitor.healthy)
             self.network_ready.labels(name).set(1 if ok else 0)
+            self._child(self.drift, name)  # at 0 until its first drift
         self.invalid.set(len(state.invalid))
         self.sandboxes.set(sandboxes)
+        self.tearing_down.set(tearing_down)
 
     def exposition(self) -> bytes:
         # No `*_created` series: a timestamp per counter and histogram child that

@@ -13,35 +13,54 @@ from typing import Any
 
 from dbus_fast import Message, MessageType, Variant
 
+from cni_agent.api import AgentError, ErrorKind
+
 log = logging.getLogger(__name__)
 
 NAME = "org.freedesktop.PolicyKit1"
 PATH = "/org/freedesktop/PolicyKit1/Authority"
 INTERFACE = "org.freedesktop.PolicyKit1.Authority"
 
-INSPECT = "org.cniagent.Agent1.inspect"
-MANAGE = "org.cniagent.Agent1.manage"
-# The methods `inspect` covers; every other method that needs privilege is `manage`.
-INSPECTING = frozenset({"Show", "ListSandboxes", "Check"})
-
 _ALLOW_USER_INTERACTION = 0x1
-# A person typing a password may take a while; a non-interactive answer is quick.
-_INTERACTIVE_TIMEOUT = 120.0
+# A person typing a password may take a while, but not hold a call (and a
+# stranger's place in its bound) for long; a non-interactive answer is quick.
+_INTERACTIVE_TIMEOUT = 30.0
 _TIMEOUT = 25.0
 _ABSENT = {"org.freedesktop.DBus.Error.ServiceUnknown",
            "org.freedesktop.DBus.Error.NameHasNoOwner"}
 
 
-def action_for(method: str) -> str:
-    return INSPECT if method in INSPECTING else MANAGE
-
-
 class Polkit:
     def __init__(self, bus: Any) -> None:
         self.bus = bus
+        self._asking: set[asyncio.Task[Any]] = set()
+        self._stopping = False
+
+    def stop(self) -> None:
+        """A shutdown: no caller waits for polkit any more (they are answered
+        ShuttingDown), nor does the drain wait for them."""
+        self._stopping = True
+        for task in self._asking:
+            task.cancel()
 
     async def check(self, sender: str, action: str, interactive: bool) -> tuple[bool, str]:
         """Whether polkit authorizes `sender` for `action`, and if not, why."""
+        if self._stopping:
+            raise AgentError(ErrorKind.SHUTTING_DOWN, "cni-agent is shutting down")
+        task = asyncio.ensure_future(self._check(sender, action, interactive))
+        self._asking.add(task)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.cancelled() and self._stopping:
+                raise AgentError(ErrorKind.SHUTTING_DOWN, "cni-agent is shutting down; polkit's "
+                                                          "answer is not awaited") from None
+            task.cancel()  # our caller went away
+            raise
+        finally:
+            self._asking.discard(task)
+
+    async def _check(self, sender: str, action: str, interactive: bool) -> tuple[bool, str]:
         msg = Message(
             destination=NAME, path=PATH, interface=INTERFACE, member="CheckAuthorization",
             signature="(sa{sv})sa{ss}us",

@@ -24,9 +24,16 @@ from cni_agent.sandboxes.gc import Reaper, gc_verb_allowed
 from cni_agent.sandboxes.journal import Journal
 from cni_agent.sandboxes.manager import SandboxManager
 from cni_agent.sandboxes.manager import Timeouts as SandboxTimeouts
+from cni_agent.sandboxes.policy import Policy
 from cni_agent.sandboxes.records import SandboxStore
 from cni_agent.service.cnicall import ShimCalls
 from cni_agent.service.metrics import Metrics
+
+
+def policy_of(cfg: AgentConfig) -> Policy:
+    """`access.*`: what callers that are not root may use."""
+    a = cfg.access
+    return Policy.of(a.networks, a.capabilities, a.max_sandboxes)
 
 
 def instance_of(cfg: AgentConfig) -> str:
@@ -89,12 +96,13 @@ def build_core(cfg: AgentConfig, executor: Executor | None = None) -> Core:
     reaper = Reaper(journal, locks, netlocks, monitor.networks,
                     gc_verb=gc_verb_allowed(cfg.gc.networks), lock_timeout=t.lock,
                     verb_wait=min(t.lock, 10.0), interval=cfg.gc.interval,
-                    on_report=lambda r: metrics.gc_report(len(r.deleted), len(r.rolled_back)))
+                    on_report=lambda r: metrics.gc_report(len(r.deleted), len(r.rolled_back)),
+                    on_pass=lambda r: metrics.reaping_pass(bool(r.deleted or r.rolled_back)))
     pod_cidrs = PodCIDRs(cfg.state_dir, cfg.pod_cidrs)
     checks = Checks(journal, repair=cfg.check.repair)
     checks.subscribe(metrics.check)
     manager = SandboxManager(journal, monitor, locks, reaper, pod_cidrs,
-                             SandboxTimeouts(lock=t.lock, ready=t.ready), checks)
+                             SandboxTimeouts(lock=t.lock, ready=t.ready), checks, policy_of(cfg))
     drift = DriftPasses(manager, interval=cfg.check.interval,
                         concurrency=cfg.check.concurrency)
     manager.on_set_up = drift.baseline

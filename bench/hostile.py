@@ -1,0 +1,271 @@
+"""8. Hostile load: root's Setup+Teardown while a stranger floods the agent (issue 35).
+
+A real network (bridge + host-local from /usr/lib/cni) on the system-like bus
+with the project's policy: what a real bus lets any local user send. Root's
+cycles are timed in blocks: unloaded, and `loaded` while `nobody`, from
+processes of its own (FLOOD_PROCS of them, FLOOD_CONNS connections each, one
+call in flight per connection), sends every read-only method back to back, in
+turn (U L, L U, U L: a shared machine drifts); then `loaded_fds` blocks, the
+same flood with messages carrying 16 descriptors among them (last: an agent
+that keeps descriptors runs out of them there, and could not be measured
+after). Between blocks the flooders are stopped (SIGSTOP: their connections
+stay open). Goals: loaded p95 ≤ 1.5x unloaded p95, both ways; the agent's RSS
+back within 20 MiB and its descriptors back to their count before the floods;
+no root call failing. The CPU split per kind of block says who pays for a
+flood (flooders, dbus-daemon, the agent, its plugins, this process): on 2
+cores the bus's own relaying may be what is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import resource
+import statistics
+import time
+from typing import Any
+
+from bench.harness import Client, Lab, conflist, delete_link, proc_cpu, proc_rss_kib, unique
+from bench.report import figure, p95, result
+from tests.support.net import allocations
+from tests.support.plugins import write_conf
+from tests.support.stranger import (
+    INTROSPECTABLE,
+    MAX_MESSAGE_FDS,
+    PEER,
+    PROPERTIES,
+    Stranger,
+    fd_count,
+    idle_fds,
+    settle_fds,
+    spec,
+)
+
+SUBNET = "10.238.0.0/24"
+IFACE = "org.cniagent.Agent1"
+FLOOD_PROCS, FLOOD_CONNS = 10, 5  # 50 connections
+RATIO_GOAL = 1.5
+RSS_GOAL_MIB = 20
+FD_LIMIT = 65536  # LimitNOFILE in systemd/cni-agent.service
+CALL_TIMEOUT = 60.0
+FDS = ["null", "pipe"] * (MAX_MESSAGE_FDS // 2)
+STATUS = '{"cniVersion": "1.1.0", "name": "pods"}'
+
+# Every read-only method, then some of them again carrying descriptors.
+READ_ONLY = [
+    spec("Introspect", interface=INTROSPECTABLE, label="Introspect"),
+    spec("GetAll", "s", [IFACE], interface=PROPERTIES, label="Properties.GetAll"),
+    spec("Get", "ss", [IFACE, "NetworkReady"], interface=PROPERTIES, label="Properties.Get"),
+    spec("Ping", interface=PEER, label="Peer.Ping"),
+    spec("WaitReady", "d", [0.0], label="WaitReady"),
+    spec("CNICall", "a{ss}s", [[["CNI_COMMAND", "STATUS"]], STATUS], label="CNICall STATUS"),
+    spec("CNICall", "a{ss}s", [[["CNI_COMMAND", "VERSION"]], '{"cniVersion": "1.1.0"}'],
+         label="CNICall VERSION"),
+]
+FLOOD = READ_ONLY + [{**m, "fds": FDS, "label": m["label"] + " +16 fds"}
+                     for m in READ_ONLY if m["label"] in ("Peer.Ping", "Introspect", "Properties.GetAll",
+                                                           "WaitReady", "CNICall STATUS")]
+
+
+class Rig:
+    def __init__(self, lab: Lab, client: Client, runner: asyncio.Runner, netns: list[str]) -> None:
+        self.lab, self.client, self.runner, self.netns = lab, client, runner, netns
+        agent = lab.agents[0]
+        assert agent.proc is not None
+        self.pid = agent.proc.pid
+        self.failures: list[str] = []
+        self.count = 0
+
+    def cycle(self) -> float | None:
+        """One Setup+Teardown in a netns of the pool: wall ms, or None if it failed."""
+        i = self.count
+        self.count += 1
+        ns = self.netns[i % len(self.netns)]
+
+        async def both() -> None:
+            await asyncio.wait_for(self.client.setup(f"hostile-{i}", ns), CALL_TIMEOUT)
+            await asyncio.wait_for(self.client.teardown(f"hostile-{i}", ns), CALL_TIMEOUT)
+
+        t0 = time.perf_counter()
+        try:
+            self.runner.run(both())
+        except Exception as e:
+            self.failures.append(f"{type(e).__name__}: {e}"[:300])
+            return None
+        return (time.perf_counter() - t0) * 1000
+
+    def cpu(self, flooders: list[Stranger]) -> dict[str, float]:
+        agent, plugins = proc_cpu(self.pid)
+        me = os.times()
+        return {"flooders": sum(proc_cpu(f.pid)[0] for f in flooders),
+                "dbus-daemon": proc_cpu(self.lab.bus.pid)[0], "agent": agent, "plugins": plugins,
+                "bench": me.user + me.system, "wall": time.monotonic()}
+
+
+class Flood:
+    """`procs` processes of `nobody`, `conns` connections each, sending `messages`
+    round and round; stopped (SIGSTOP) and resumed as a whole."""
+
+    def __init__(self, address: str, procs: int, conns: int, messages: list[dict[str, Any]]) -> None:
+        self.conns = procs * conns
+        self.running = 0.0  # seconds the flood ran, from its first message to its last
+        self._since = time.monotonic()
+        self.procs: list[Stranger] = []
+        for _ in range(procs):
+            self.procs.append(Stranger(address))
+            self.procs[-1].start_flood(conns, messages)
+        self.pause()
+
+    def pause(self) -> None:
+        for f in self.procs:
+            f.pause()
+        self.running += time.monotonic() - self._since
+        time.sleep(0.3)  # what was in flight is answered
+
+    def resume(self) -> None:
+        self._since = time.monotonic()
+        for f in self.procs:
+            f.resume()
+        time.sleep(0.3)  # every connection at it before the first timed cycle
+
+    def stop(self) -> dict[str, dict[str, int]]:
+        """{label: {outcome or error name: n}} over all processes (stopped before)."""
+        counts: dict[str, dict[str, int]] = {}
+        for f in self.procs:
+            for label, per in f.stop_flood()["counts"].items():
+                mine = counts.setdefault(label, {})
+                for outcome, n in per.items():
+                    mine[outcome] = mine.get(outcome, 0) + n
+        self.close()
+        return counts
+
+    def close(self) -> None:
+        for f in self.procs:
+            f.close()
+
+
+MODES = ("unloaded", "loaded", "loaded_fds")
+
+
+def run(smoke: bool) -> dict[str, Any]:
+    procs, conns, rounds, per_block = (2, 2, 1, 2) if smoke else (FLOOD_PROCS, FLOOD_CONNS, 3, 10)
+    with asyncio.Runner() as runner, Lab("hostile") as lab:
+        bridge = unique("br")
+        lab.cleanups.append(lambda: delete_link(bridge))
+        write_conf(lab.conf_dir, "10-pods.conflist", conflist("pods", [
+            {"type": "bridge", "bridge": bridge, "isGateway": True, "ipMasq": False,
+             "ipam": {"type": "host-local", "subnet": SUBNET, "dataDir": str(lab.tmp / "ipam")}}]))
+        agent = lab.agent()
+        assert agent.proc is not None
+        # As the unit sets it, or as near as this machine allows (raising a hard limit
+        # needs CAP_SYS_RESOURCE, which a container's root may lack).
+        limit = min(FD_LIMIT, resource.prlimit(agent.proc.pid, resource.RLIMIT_NOFILE)[1])
+        resource.prlimit(agent.proc.pid, resource.RLIMIT_NOFILE, (limit, limit))
+        client = runner.run(Client.connect(lab.bus.address))
+        lab.cleanups.append(client.close)
+        assert runner.run(client.call("WaitReady", "d", [10.0])) == [True], agent.log()
+        rig = Rig(lab, client, runner, lab.netns.many(4))
+        for _ in range(2):  # the bridge exists before any timing (making it is a one-off)
+            rig.cycle()
+        assert not rig.failures, rig.failures
+        fds, rss = [idle_fds(rig.pid)], [proc_rss_kib(rig.pid)]  # before, peak, after
+
+        floods = {"loaded": Flood(lab.bus.address, procs, conns, READ_ONLY),
+                  "loaded_fds": Flood(lab.bus.address, procs, conns, FLOOD)}
+        lab.cleanups += [f.close for f in floods.values()]
+        everyone = [p for f in floods.values() for p in f.procs]
+        samples: dict[str, list[float]] = {mode: [] for mode in MODES}
+        cpu: dict[str, dict[str, float]] = {mode: {} for mode in MODES}
+        failures: dict[str, int] = {mode: 0 for mode in MODES}
+        peak = (fds[0], rss[0])
+        schedule = [m for r in range(rounds) for m in (MODES[:2] if r % 2 == 0 else MODES[1::-1])]
+        for mode in schedule + ["loaded_fds"] * rounds:
+            flood = floods.get(mode)
+            if flood is not None:
+                flood.resume()
+            start, failed = rig.cpu(everyone), len(rig.failures)
+            samples[mode] += [ms for ms in (rig.cycle() for _ in range(per_block)) if ms is not None]
+            end = rig.cpu(everyone)
+            failures[mode] += len(rig.failures) - failed
+            for k in start:
+                cpu[mode][k] = cpu[mode].get(k, 0.0) + end[k] - start[k]
+            if flood is not None:
+                peak = (max(peak[0], fd_count(rig.pid)), max(peak[1], proc_rss_kib(rig.pid)))
+                flood.pause()
+        counts = {mode: flood.stop() for mode, flood in floods.items()}
+        fds += [peak[0], settle_fds(rig.pid, fds[0], timeout=3 if smoke else 10)]
+        rss += [peak[1], proc_rss_kib(rig.pid)]
+        report = Report(samples, cpu, failures, rig.failures, counts,
+                        {mode: f.running for mode, f in floods.items()}, procs * conns, procs)
+        return report.result(
+            {"fds": (fds[0], fds[1], fds[2]), "rss": (rss[0], rss[1], rss[2])}, limit,
+            agent.proc.poll() is None, allocations(lab.tmp / "ipam", "pods"))
+
+
+class Report:
+    def __init__(self, samples: dict[str, list[float]], cpu: dict[str, dict[str, float]],
+                 failures: dict[str, int], errors: list[str], counts: dict[str, dict[str, dict[str, int]]],
+                 running: dict[str, float], conns: int, procs: int) -> None:
+        self.samples, self.cpu, self.failures, self.errors = samples, cpu, failures, errors
+        self.counts, self.running, self.conns, self.procs = counts, running, conns, procs
+
+    def latency(self, mode: str, what: str) -> dict[str, Any]:
+        base, mine = self.samples["unloaded"], self.samples[mode]
+        if mode == "unloaded":
+            return figure("hostile.unloaded.setup_teardown", base,
+                          note=f"p95 {p95(base):.1f} ms" if base else "no sample")
+        ratio = p95(mine) / p95(base) if mine and base else None
+        note = (f"p95 {p95(mine):.1f} ms, p50 {statistics.median(mine) / statistics.median(base):.2f}x; "
+                if ratio is not None else "no sample; ")
+        return figure(f"hostile.{mode}.setup_teardown", mine, ratio=ratio,
+                      goal=f"p95 ≤{RATIO_GOAL}x unloaded", passed=ratio is not None and ratio <= RATIO_GOAL,
+                      note=note + f"{self.conns} stranger connections: {what}")
+
+    def rate(self, mode: str) -> dict[str, Any]:
+        counts = self.counts[mode]
+        total = sum(sum(per.values()) for per in counts.values())
+        answered = sum(n for per in counts.values() for k, n in per.items() if k not in ("timeout", "broken"))
+        outcomes: dict[str, int] = {}
+        for per in counts.values():
+            for k, n in per.items():
+                outcomes[k.rsplit(".", 1)[-1]] = outcomes.get(k.rsplit(".", 1)[-1], 0) + n
+        top = ", ".join(f"{k} {n}" for k, n in sorted(outcomes.items(), key=lambda kv: -kv[1])[:3])
+        running = self.running[mode]
+        return figure(f"hostile.{mode}.flood_rate", [total / running if running else 0.0], "msg/s",
+                      note=f"{answered} of {total} answered ({top}); {self.procs} processes")
+
+    def result(self, agent: dict[str, tuple[int, int, int]], fd_limit: int, alive: bool,
+               leftover: list[str]) -> dict[str, Any]:
+        figures = [self.latency("unloaded", ""), self.latency("loaded", "read-only methods"),
+                   self.latency("loaded_fds", "the same, some with 16 descriptors")]
+        failed = sum(self.failures.values())
+        per_mode = ", ".join(f"{m} {n}" for m, n in self.failures.items() if n)
+        figures.append(figure("hostile.root_failures", [failed], "count", goal="must be 0",
+                              passed=not failed and alive,
+                              note=(f"{per_mode}: {self.errors[0][:80]}" if failed else "")
+                              + ("" if alive else "; the agent died")))
+        rss_before, rss_peak, rss_after = agent["rss"]
+        growth = (rss_after - rss_before) / 1024
+        figures.append(figure("hostile.rss_growth", [growth], "MiB", goal=f"<{RSS_GOAL_MIB} MiB",
+                              passed=growth < RSS_GOAL_MIB,
+                              note=f"peak +{(rss_peak - rss_before) / 1024:.1f} MiB during the floods"))
+        fds_before, fds_peak, fds_after = agent["fds"]
+        figures.append(figure("hostile.fds_left", [fds_after - fds_before], "count", goal="must be 0",
+                              passed=fds_after <= fds_before,
+                              note=f"{fds_before} before, {fds_peak} at most after a loaded block; "
+                                   f"limit {fd_limit}"))
+        figures += [self.rate("loaded"), self.rate("loaded_fds"),
+                    figure("hostile.leftover_ips", [len(leftover)], "count", goal="must be 0",
+                           passed=not leftover)]
+        ncpu = os.cpu_count() or 1
+        notes = []
+        for mode in MODES:
+            c = self.cpu[mode]
+            wall = c.get("wall", 0.0)
+            split = ", ".join(f"{k} {v:.2f} s" for k, v in c.items() if k != "wall")
+            notes.append(f"CPU in {mode} blocks ({wall:.1f} s wall = {ncpu * wall:.1f} CPU s on {ncpu} "
+                         f"cores): {split}")
+        notes.append("hostile: /usr/lib/cni bridge + host-local, the system-like bus and policy; the "
+                     "stranger is nobody; flooders SIGSTOPped between blocks")
+        return result(figures, notes, samples=self.samples, cpu=self.cpu, flood=self.counts,
+                      failures=self.failures, errors=self.errors[:20], agent=agent, alive=alive)

@@ -1,0 +1,129 @@
+"""The one place that decides who may do what (sandboxes/policy.py), as tables."""
+
+from __future__ import annotations
+
+import pytest
+
+from cni_agent.api import AgentError, ErrorKind
+from cni_agent.cni.errors import InvalidArgument
+from cni_agent.sandboxes.policy import (
+    METHODS,
+    ROOT,
+    Caller,
+    Policy,
+    Role,
+    Scope,
+    cnicall_scope,
+)
+
+MEMBER = Caller(1001, Role.MEMBER)
+DELEGATE = Caller(1002, Role.DELEGATE)
+STRANGER = Caller(65534, Role.STRANGER)
+
+
+@pytest.mark.parametrize(("caller", "scope", "allowed"), [
+    (ROOT, Scope.RUNTIME, True), (ROOT, Scope.NODE, True), (ROOT, Scope.MANAGE, True),
+    (MEMBER, Scope.MANAGE, True), (MEMBER, Scope.INSPECT, True), (MEMBER, Scope.OPEN, True),
+    (MEMBER, Scope.NODE, False), (MEMBER, Scope.RUNTIME, False),
+    (DELEGATE, Scope.MANAGE, True), (DELEGATE, Scope.NODE, False),
+    (STRANGER, Scope.OPEN, True), (STRANGER, Scope.INSPECT, False),
+    (STRANGER, Scope.MANAGE, False), (STRANGER, Scope.NODE, False),
+    (STRANGER, Scope.RUNTIME, False),
+])
+def test_who_may_call_each_scope(caller: Caller, scope: Scope, allowed: bool) -> None:
+    assert Policy.permits(caller, scope) is allowed
+
+
+def test_every_method_declares_its_scope() -> None:
+    assert METHODS["Reload"] is METHODS["SetPodCIDRs"] is METHODS["ResetPodCIDRs"] is Scope.NODE
+    assert METHODS["WaitReady"] is Scope.OPEN
+    assert {m for m, s in METHODS.items() if s is Scope.INSPECT} == {"Show", "ListSandboxes", "Check"}
+    assert cnicall_scope("STATUS") is cnicall_scope("VERSION") is Scope.OPEN
+    assert {cnicall_scope(c) for c in ("ADD", "DEL", "CHECK", "GC", "", "BOGUS")} == {Scope.RUNTIME}
+
+
+@pytest.mark.parametrize(("caller", "owners", "allowed"), [
+    (ROOT, (), True), (ROOT, None, True),
+    (MEMBER, (1001,), True), (MEMBER, (1001, 1001), True),
+    (MEMBER, (), False),  # the node's own user namespace: root's ip netns add, runtimes' pods
+    (MEMBER, None, False),  # unknown
+    (MEMBER, (0,), False),  # a user-namespaced pod: the runtime's user namespace
+    (MEMBER, (1001, 0), False),  # its own, but inside root's: not privileged over it
+    (MEMBER, (1002,), False), (DELEGATE, (1002,), True),
+])
+def test_namespace_authority(caller: Caller, owners: tuple[int, ...] | None, allowed: bool) -> None:
+    if allowed:
+        Policy.netns(caller, owners)
+    else:
+        with pytest.raises(AgentError) as e:
+            Policy.netns(caller, owners)
+        assert e.value.kind is ErrorKind.ACCESS_DENIED
+
+
+def test_ids_are_per_owner_and_root_keeps_out_of_theirs() -> None:
+    assert Policy.qualify(ROOT, "web") == "web"
+    assert Policy.qualify(MEMBER, "web") == "cni-agent.u1001.web"
+    assert Policy.qualify(Caller(1002, Role.MEMBER), "web") != Policy.qualify(MEMBER, "web")
+    assert Policy.shown(MEMBER, "cni-agent.u1001.web") == "web"
+    assert Policy.shown(ROOT, "cni-agent.u1001.web") == "cni-agent.u1001.web"
+    with pytest.raises(InvalidArgument):
+        Policy.check_new_id("cni-agent.u1001.web")
+    Policy.check_new_id("web")
+    with pytest.raises(InvalidArgument, match="carry its uid"):
+        Policy.qualify(MEMBER, "x" * 120)
+
+
+@pytest.mark.parametrize(("caller", "owner", "allowed"), [
+    (ROOT, None, True), (ROOT, 1001, True), (MEMBER, 1001, True),
+    (MEMBER, None, False), (MEMBER, 0, False), (MEMBER, 1002, False),
+])
+def test_holding_a_sandbox(caller: Caller, owner: int | None, allowed: bool) -> None:
+    if allowed:
+        Policy.holds(caller, "s", owner)
+    else:
+        with pytest.raises(AgentError, match="is not one of uid"):
+            Policy.holds(caller, "s", owner)
+
+
+def test_a_new_id_is_anyones_but_cache_entries_without_a_record_are_roots() -> None:
+    Policy.sandbox(MEMBER, "s", None)
+    with pytest.raises(AgentError):
+        Policy.sandbox(MEMBER, "s", None, foreign=True)
+    Policy.sandbox(ROOT, "s", None, foreign=True)
+
+
+@pytest.mark.parametrize(("caps", "allowed_caps", "error"), [
+    ({}, (), None),
+    ({"portMappings": [{"hostPort": 8080, "containerPort": 80}]}, (), "not allowed"),
+    ({"bandwidth": {"ingressRate": 1}}, (), "not allowed"),
+    ({"ips": ["10.0.0.9/24"]}, ("portMappings",), "not allowed"),
+    ({"portMappings": [{"hostPort": 8080, "containerPort": 80}]}, ("portMappings",), None),
+    ({"portMappings": [{"hostPort": 23, "containerPort": 22}]}, ("portMappings",), "below 1024"),
+    ({"portMappings": [{"hostPort": 1023, "protocol": "udp"}]}, ("portMappings",), "1023/udp"),
+    ({"portMappings": [{"hostPort": "80"}]}, ("portMappings",), "is not a port"),
+    ({"portMappings": {"hostPort": 80}}, ("portMappings",), "must be a list"),
+])
+def test_capabilities(caps: dict[str, object], allowed_caps: tuple[str, ...],
+                      error: str | None) -> None:
+    policy = Policy.of(capabilities=allowed_caps)
+    policy.capabilities(ROOT, caps)  # root: anything
+    if error is None:
+        policy.capabilities(MEMBER, caps)
+    else:
+        with pytest.raises((AgentError, InvalidArgument), match=error):
+            policy.capabilities(MEMBER, caps)
+
+
+def test_networks_and_quota() -> None:
+    policy = Policy.of(networks=["vmnet"], max_sandboxes=2)
+    policy.network(MEMBER, "vmnet")
+    policy.network(ROOT, "pods")
+    with pytest.raises(AgentError, match=r"access\.networks: vmnet"):
+        policy.network(MEMBER, "pods")
+    with pytest.raises(AgentError, match=r"access\.networks: none"):
+        Policy().network(DELEGATE, "vmnet")
+    policy.quota(MEMBER, 1)
+    policy.quota(ROOT, 100)
+    with pytest.raises(AgentError) as e:
+        policy.quota(MEMBER, 2)
+    assert e.value.kind is ErrorKind.BUSY
