@@ -61,16 +61,40 @@ static const char *not_running = "cni-agent is not running: systemctl start cni-
 static const char *masked = "cni-agent is not running: its unit is masked "
                             "(systemctl unmask cni-agent && systemctl start cni-agent)";
 
-/* A JSON string, quoted and escaped. */
+/* The length of the valid UTF-8 sequence at p (1-4), or 0 if there is none
+ * (a stray byte, or a character cut in two by a bounded snprintf below). */
+static size_t utf8_length(const unsigned char *p) {
+    size_t n = *p < 0x80 ? 1 : (*p & 0xE0) == 0xC0 ? 2 : (*p & 0xF0) == 0xE0 ? 3
+             : (*p & 0xF8) == 0xF0 ? 4 : 0;
+    if (n == 0 || (n == 2 && *p < 0xC2) || (n == 4 && *p > 0xF4))
+        return 0;
+    for (size_t i = 1; i < n; i++)
+        if ((p[i] & 0xC0) != 0x80)
+            return 0;
+    if ((n == 3 && *p == 0xE0 && p[1] < 0xA0) || (n == 3 && *p == 0xED && p[1] >= 0xA0)
+        || (n == 4 && *p == 0xF0 && p[1] < 0x90) || (n == 4 && *p == 0xF4 && p[1] >= 0x90))
+        return 0; /* overlong, a surrogate, beyond U+10FFFF */
+    return n;
+}
+
+/* A JSON string, quoted and escaped: whatever it holds, the runtime can parse
+ * what we print (invalid UTF-8 becomes U+FFFD). */
 static void json_string(const char *text) {
     putchar('"');
-    for (const unsigned char *p = (const unsigned char *)text; *p; p++) {
+    for (const unsigned char *p = (const unsigned char *)text; *p;) {
+        size_t n = utf8_length(p);
+        if (n == 0) {
+            fputs("\\ufffd", stdout);
+            p++;
+            continue;
+        }
         if (*p == '"' || *p == '\\')
             printf("\\%c", *p);
-        else if (*p < 0x20)
+        else if (*p < 0x20 || *p == 0x7F)
             printf("\\u%04x", *p);
         else
-            putchar(*p);
+            fwrite(p, 1, n, stdout);
+        p += n;
     }
     putchar('"');
 }

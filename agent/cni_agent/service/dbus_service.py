@@ -30,6 +30,7 @@ from cni_agent.api import (
     INTERFACE_REVISION,
     AgentError,
     ErrorKind,
+    wire_text,
 )
 from cni_agent.cni.args import PodMeta
 from cni_agent.cni.errors import InvalidArgument
@@ -93,7 +94,23 @@ def signature(*params: str, returns: str = "") -> Callable[[F], F]:
 
 
 def _error(e: AgentError) -> DBusError:
-    return DBusError(ERROR_PREFIX + str(e.kind), e.message)
+    return DBusError(ERROR_PREFIX + str(e.kind), wire_text(e.message))
+
+
+def _sendable(value: Any) -> Any:
+    """`value` if D-Bus can carry it, else a named error: dbus-fast marshals a
+    reply in a callback, where a NUL or a lone surrogate in a string fails it
+    (5.x answers a generic ServiceError, 1.84 with a traceback). Our results
+    are ASCII JSON and checked ids, so this only catches a defect; it costs
+    a scan of the strings, not a second marshalling."""
+    if isinstance(value, str):
+        if (not value.isascii() or "\0" in value) and wire_text(value, len(value)) != value:
+            raise AgentError(ErrorKind.PLUGIN_FAILED, "internal error: the reply holds text "
+                             f"D-Bus cannot carry: {wire_text(value, 200)}")
+    elif isinstance(value, list):
+        for item in value:
+            _sendable(item)
+    return value
 
 
 def _short(e: DBusError) -> str:
@@ -266,10 +283,10 @@ class AgentInterface(ServiceInterface):
                 caller = await self.authorizer.authorize(caller, info.sender, name, scope,
                                                          info.interactive)
                 if caller.role is Role.STRANGER:  # a read, within the stranger's bounds
-                    value = await work(caller)
+                    value = _sendable(await work(caller))
                     result = "ok"
                     return value
-            value = await self._counted(name, scope, lambda: work(caller))
+            value = _sendable(await self._counted(name, scope, lambda: work(caller)))
             result = "ok"
             return value
         except Exception as e:
@@ -343,13 +360,13 @@ class AgentInterface(ServiceInterface):
         if old.ready != state.ready:
             changed["NetworkReady"] = state.ready
         if old.status != state.status:
-            changed["Status"] = state.status
+            changed["Status"] = wire_text(state.status)
         if old.default_network != state.default_network:
             changed["DefaultNetwork"] = state.default_network
         if old.networks != state.networks:
             changed["Networks"] = list(state.networks)
         if old.last_error != state.last_error:
-            changed["LastError"] = state.last_error
+            changed["LastError"] = wire_text(state.last_error)
         if not changed:
             return
         try:
@@ -377,7 +394,7 @@ class AgentInterface(ServiceInterface):
             return
         try:
             self.AttachmentDrifted(outcome.sandbox_id, outcome.network, outcome.ifname,
-                                   outcome.reason)
+                                   wire_text(outcome.reason))
         except Exception as e:  # as for PropertiesChanged: the connection is gone
             log.info("AttachmentDrifted not sent, the bus connection is gone: %s", e)
 
@@ -397,7 +414,7 @@ class AgentInterface(ServiceInterface):
     @dbus_property(access=PropertyAccess.READ)
     @signature(returns="s")
     def Status(self) -> str:
-        return self._shown.status
+        return wire_text(self._shown.status)
 
     @dbus_property(access=PropertyAccess.READ)
     @signature(returns="s")
@@ -412,7 +429,7 @@ class AgentInterface(ServiceInterface):
     @dbus_property(access=PropertyAccess.READ)
     @signature(returns="s")
     def LastError(self) -> str:
-        return self._shown.last_error
+        return wire_text(self._shown.last_error)
 
     @dbus_property(access=PropertyAccess.READ)
     @signature(returns="as")
