@@ -97,16 +97,40 @@ static const char *too_slow = "cni-agent did not answer in time: see journalctl 
 static const char *not_utf8 = "cni-agent-shim: cannot send the call (the environment or "
                               "configuration is not valid UTF-8?)";
 
-/* A JSON string, quoted and escaped. */
+/* The length of the valid UTF-8 sequence at p (1-4), or 0 if there is none
+ * (a stray byte, or a character cut in two by a bounded snprintf below). */
+static size_t utf8_length(const unsigned char *p) {
+    size_t n = *p < 0x80 ? 1 : (*p & 0xE0) == 0xC0 ? 2 : (*p & 0xF0) == 0xE0 ? 3
+             : (*p & 0xF8) == 0xF0 ? 4 : 0;
+    if (n == 0 || (n == 2 && *p < 0xC2) || (n == 4 && *p > 0xF4))
+        return 0;
+    for (size_t i = 1; i < n; i++)
+        if ((p[i] & 0xC0) != 0x80)
+            return 0;
+    if ((n == 3 && *p == 0xE0 && p[1] < 0xA0) || (n == 3 && *p == 0xED && p[1] >= 0xA0)
+        || (n == 4 && *p == 0xF0 && p[1] < 0x90) || (n == 4 && *p == 0xF4 && p[1] >= 0x90))
+        return 0; /* overlong, a surrogate, beyond U+10FFFF */
+    return n;
+}
+
+/* A JSON string, quoted and escaped: whatever it holds, the runtime can parse
+ * what we print (invalid UTF-8 becomes U+FFFD). */
 static void json_string(const char *text) {
     putchar('"');
-    for (const unsigned char *p = (const unsigned char *)text; *p; p++) {
+    for (const unsigned char *p = (const unsigned char *)text; *p;) {
+        size_t n = utf8_length(p);
+        if (n == 0) {
+            fputs("\\ufffd", stdout);
+            p++;
+            continue;
+        }
         if (*p == '"' || *p == '\\')
             printf("\\%c", *p);
-        else if (*p < 0x20)
+        else if (*p < 0x20 || *p == 0x7F)
             printf("\\u%04x", *p);
         else
-            putchar(*p);
+            fwrite(p, 1, n, stdout);
+        p += n;
     }
     putchar('"');
 }
@@ -162,33 +186,16 @@ static char *read_stdin(size_t *len) {
  * noncharacters U+FDD0-U+FDEF and U+xxFFFE/F): so both ways refuse the same
  * calls, here, with the same answer. */
 static int valid_utf8(const char *s) {
-    const unsigned char *p = (const unsigned char *)s;
-    while (*p) {
-        uint32_t c;
-        int n;
-        if (*p < 0x80) {
-            p++;
-            continue;
-        } else if ((*p & 0xe0) == 0xc0) {
-            c = *p & 0x1f, n = 1;
-        } else if ((*p & 0xf0) == 0xe0) {
-            c = *p & 0x0f, n = 2;
-        } else if ((*p & 0xf8) == 0xf0) {
-            c = *p & 0x07, n = 3;
-        } else {
+    for (const unsigned char *p = (const unsigned char *)s; *p;) {
+        size_t n = utf8_length(p);
+        if (n == 0)
             return 0;
-        }
-        for (int i = 1; i <= n; i++) {
-            if ((p[i] & 0xc0) != 0x80)
-                return 0;
-            c = (c << 6) | (p[i] & 0x3f);
-        }
-        if ((n == 1 && c < 0x80) || (n == 2 && c < 0x800) || (n == 3 && c < 0x10000))
-            return 0; /* overlong */
-        if (c >= 0x110000 || (c & 0xfffff800) == 0xd800 || (c >= 0xfdd0 && c <= 0xfdef)
-            || (c & 0xfffe) == 0xfffe)
-            return 0;
-        p += n + 1;
+        uint32_t c = n == 1 ? *p : (uint32_t)(*p & (0x7F >> n));
+        for (size_t i = 1; i < n; i++)
+            c = (c << 6) | (p[i] & 0x3F);
+        if ((c >= 0xFDD0 && c <= 0xFDEF) || (c & 0xFFFE) == 0xFFFE)
+            return 0; /* a noncharacter */
+        p += n;
     }
     return 1;
 }

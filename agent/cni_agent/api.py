@@ -32,6 +32,28 @@ class ErrorKind(StrEnum):
     ACCESS_DENIED = "AccessDenied"
     SHUTTING_DOWN = "ShuttingDown"
     CANCELLED = "Cancelled"
+    # The agent's own disk (state_dir full, read-only, unreadable): never a plugin's failure.
+    STATE_ERROR = "StateError"
+
+
+# What a D-Bus string of ours carries of text from plugins or the disk, at most.
+WIRE_TEXT_LIMIT = 4096
+
+
+def wire_text(text: str, limit: int = WIRE_TEXT_LIMIT) -> str:
+    """`text` as a D-Bus string can carry it: cut to `limit` characters, NUL
+    spelled `\\0`, lone surrogates (JSON's `"\\ud800"`, undecodable bytes of a
+    file name) spelled `\\udXXX`.
+
+    D-Bus strings are UTF-8 without NUL; a reply holding either cannot be
+    marshalled, and dbus-fast fails that in a callback: the caller would get
+    no reply at all. Every text a plugin or the disk supplied passes here on
+    its way out (errors, properties, signals)."""
+    if len(text) > limit:
+        text = text[:limit] + "…"
+    if not text.isascii():
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text.replace("\0", "\\0") if "\0" in text else text
 
 
 class AgentError(Exception):

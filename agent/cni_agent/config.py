@@ -16,6 +16,8 @@ import ipaddress
 import json
 import math
 import os
+import reprlib
+import stat
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +27,11 @@ import yaml
 from cni_agent.config_layers import ETC_DIR, USR_DIR, config_files
 
 DEFAULT_CONFIG_PATH = "/etc/cni-agent/agent.yaml"
+MAX_FILE_BYTES = 1024 * 1024  # per configuration file: an agent.yaml is a few hundred bytes
+# Values of one document, an alias counted as what it stands for: YAML aliases
+# expand (a 411-byte "billion laughs" is billions of values), and printing one
+# in an error message took seconds and hundreds of MiB.
+MAX_YAML_VALUES = 10_000
 DEFAULT = "default"  # the origin of a key no file sets
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -161,11 +168,22 @@ def _fail(source: str, key: str, what: str) -> ConfigFileError:
     return ConfigFileError(f"{source}: {key}: {what}")
 
 
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother = 2, 60, 60
+_SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = 4
+
+
+def _shown(value: Any) -> str:
+    """A value as an error message quotes it: its start only (bounded work too)."""
+    text = _SHORT.repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _duration(source: str, key: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _fail(source, key, f"must be a number of seconds, not {value!r}")
+        raise _fail(source, key, f"must be a number of seconds, not {_shown(value)}")
     if value < 0 or not math.isfinite(value):
-        raise _fail(source, key, f"must be a non-negative number of seconds, not {value!r}")
+        raise _fail(source, key, f"must be a non-negative number of seconds, not {_shown(value)}")
     return float(value)
 
 
@@ -178,26 +196,26 @@ def _interval(source: str, key: str, value: Any) -> float:
 
 def _string(source: str, key: str, value: Any) -> str:
     if not isinstance(value, str):
-        raise _fail(source, key, f"must be a string, not {value!r}")
+        raise _fail(source, key, f"must be a string, not {_shown(value)}")
     return value
 
 
 def _path(source: str, key: str, value: Any) -> str:
     text = _string(source, key, value)
     if not text.startswith("/"):
-        raise _fail(source, key, f"must be an absolute path, not {text!r}")
+        raise _fail(source, key, f"must be an absolute path, not {_shown(text)}")
     return text
 
 
 def _bool(source: str, key: str, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise _fail(source, key, f"must be true or false, not {value!r}")
+        raise _fail(source, key, f"must be true or false, not {_shown(value)}")
     return value
 
 
 def _str_list(source: str, key: str, value: Any, item: Any = _string) -> tuple[str, ...]:
     if not isinstance(value, list):
-        raise _fail(source, key, f"must be a list, not {value!r}")
+        raise _fail(source, key, f"must be a list, not {_shown(value)}")
     return tuple(item(source, f"{key}[{i}]", v) for i, v in enumerate(value))
 
 
@@ -206,7 +224,7 @@ def _cidr(source: str, key: str, value: Any) -> str:
     try:
         return str(ipaddress.ip_network(text, strict=False))
     except ValueError:
-        raise _fail(source, key, f"{text!r} is not a CIDR") from None
+        raise _fail(source, key, f"{_shown(text)} is not a CIDR") from None
 
 
 def _listen(source: str, key: str, value: Any) -> str:
@@ -215,13 +233,13 @@ def _listen(source: str, key: str, value: Any) -> str:
         try:
             parse_listen(text)
         except ValueError as e:
-            raise _fail(source, key, f"{text!r}: {e}") from None
+            raise _fail(source, key, f"{_shown(text)}: {e}") from None
     return text
 
 
 def _positive_int(source: str, key: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _fail(source, key, f"must be a whole number of at least 1, not {value!r}")
+        raise _fail(source, key, f"must be a whole number of at least 1, not {_shown(value)}")
     return value
 
 
@@ -234,7 +252,7 @@ def _count(source: str, key: str, value: Any) -> int:
 def _log_level(source: str, key: str, value: Any) -> str:
     text = _string(source, key, value).lower()
     if text not in LOG_LEVELS:
-        raise _fail(source, key, f"must be one of {', '.join(LOG_LEVELS)}, not {value!r}")
+        raise _fail(source, key, f"must be one of {', '.join(LOG_LEVELS)}, not {_shown(value)}")
     return text
 
 
@@ -283,10 +301,10 @@ def _flatten(doc: Any, source: str) -> dict[str, Any]:
                 raise _fail(source, key, "must be a mapping")
             for k, v in value.items():
                 if k not in table:
-                    raise _fail(source, f"{key}.{k}", "unknown key")
+                    raise _fail(source, f"{key}.{_shown(k).strip(chr(39))}", "unknown key")
                 out[f"{key}.{k}"] = table[k](source, f"{key}.{k}", v)
         else:
-            raise _fail(source, str(key), "unknown key")
+            raise _fail(source, _shown(key).strip("'"), "unknown key")
     return out
 
 
@@ -310,23 +328,100 @@ def parse_config(doc: Any, source: str) -> AgentConfig:
     return _build(values, dict.fromkeys(values, source), (source,))
 
 
-def read_document(path: str) -> Any:
-    """A file's YAML document (None when empty); ConfigFileError naming the file."""
+_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+          stat.S_IFDIR: "a directory", stat.S_IFSOCK: "a socket"}
+
+
+def read_regular(path: str, limit: int = MAX_FILE_BYTES) -> bytes:
+    """A regular file's bytes, at most `limit`; ConfigFileError naming the file.
+
+    Anything else is refused before it is opened: a FIFO would block the
+    reader (start-up, `config check`, a reload's thread) until someone
+    writes, and opening a device can act (a watchdog starts on open)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            kind = _KINDS.get(stat.S_IFMT(st.st_mode), "not a file")
+            raise ConfigFileError(f"{path}: not a regular file ({kind}): not read")
+        if st.st_size > limit:
+            raise ConfigFileError(f"{path}: larger than {limit} bytes: not read")
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
     except FileNotFoundError:
         raise ConfigFileError(f"{path}: no such file") from None
     except OSError as e:
         raise ConfigFileError(f"{path}: cannot read: {e.strerror}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced since the stat
+            raise ConfigFileError(f"{path}: not a regular file: not read")
+        chunks, size = [], 0
+        while chunk := os.read(fd, limit + 1 - size):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                raise ConfigFileError(f"{path}: larger than {limit} bytes: not read")
+        return b"".join(chunks)
+    except OSError as e:
+        raise ConfigFileError(f"{path}: cannot read: {e.strerror}") from None
+    finally:
+        os.close(fd)
+
+
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def _values(node: yaml.Node, path: str) -> int:
+    """How many values `node` stands for, aliases expanded (each shared node is
+    counted once per use, computed once); ConfigFileError past MAX_YAML_VALUES
+    or for an alias that contains itself."""
+    sizes: dict[int, int] = {}
+    stack: list[tuple[yaml.Node, bool]] = [(node, False)]
+    open_: set[int] = set()
+    while stack:
+        n, done = stack.pop()
+        if id(n) in sizes:
+            continue
+        kids: list[yaml.Node] = []
+        if isinstance(n, yaml.SequenceNode):
+            kids = list(n.value)
+        elif isinstance(n, yaml.MappingNode):
+            kids = [x for pair in n.value for x in pair]
+        if done:
+            open_.discard(id(n))
+            sizes[id(n)] = total = 1 + sum(sizes[id(k)] for k in kids)
+            if total > MAX_YAML_VALUES:
+                raise ConfigFileError(f"{path}: more than {MAX_YAML_VALUES} values once its "
+                                      "aliases are expanded: not read")
+            continue
+        if id(n) in open_:
+            raise ConfigFileError(f"{path}: a YAML alias refers to a value that contains it")
+        open_.add(id(n))
+        stack.append((n, True))
+        stack.extend((k, False) for k in kids if id(k) not in sizes)
+    return sizes[id(node)]
+
+
+def read_document(path: str) -> Any:
+    """A file's YAML document (None when empty); ConfigFileError naming the file."""
+    data = read_regular(path)
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise ConfigFileError(f"{path}: not valid YAML: not UTF-8 text") from None
+    loader = _Loader(text)
     try:
-        return yaml.safe_load(text)
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _values(node, path)
+        return loader.construct_document(node)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark is not None else ""
         raise ConfigFileError(f"{path}: not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+    except RecursionError:
+        raise ConfigFileError(f"{path}: not valid YAML: nested too deeply") from None
+    finally:
+        loader.dispose()
 
 
 def load_config(path: str | None = None, *, dirs: Sequence[str] = (USR_DIR, ETC_DIR)) -> AgentConfig:

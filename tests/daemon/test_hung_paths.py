@@ -38,29 +38,23 @@ def test_a_hung_netns_path_neither_stalls_the_agent_nor_piles_up_threads(
     n = DEFAULT_THREADS + 2
     try:
         with ThreadPoolExecutor(n) as pool:
-            t0 = time.monotonic()
             stuck = [pool.submit(client.call, "Setup", "ssa{sv}", [f"h{i}", str(hung.where / f"ns{i}"), {}])
                      for i in range(n)]
-            time.sleep(0.5)
-            assert not any(f.done() for f in stuck)
-            # Meanwhile the loop serves everyone else.
+            # Meanwhile the loop serves everyone else: these are answered while
+            # every hung call is still waiting for its path (events, not a stopwatch).
             for _ in range(5):
-                t = time.monotonic()
                 assert client.call("ListSandboxes")[0] is None
                 assert client.call("Get", "ss", ["org.cniagent.Agent1", "Status"],
                                    interface="org.freedesktop.DBus.Properties")[0] is None
-                assert time.monotonic() - t < 0.5
+            assert not any(f.done() for f in stuck)
             results = [f.result(timeout=30) for f in stuck]
-        elapsed = time.monotonic() - t0
         for err, body in results:
             assert err == INVALID and body.startswith("netns: ") and (
                 f"did not answer within {DEFAULT_TIMEOUT:g}s" in body), (err, body)
-        assert elapsed < DEFAULT_TIMEOUT + 3
-        # Every path thread is stuck now: more path work is refused at once.
-        t = time.monotonic()
+        # Every path thread is stuck now (the first four calls'; the other two
+        # were queued and given up): more path work is refused, not queued.
         err, body = client.call("Setup", "ssa{sv}", ["more", str(hung.where / "more"), {}])
         assert err == BUSY and "have not answered yet" in body, (err, body)
-        assert time.monotonic() - t < 1
         assert agent.proc is not None
         assert agent.proc.poll() is None
         # The mount recovers (here: fails fast); the stuck threads come back.

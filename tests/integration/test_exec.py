@@ -247,9 +247,35 @@ async def test_output_larger_than_a_pipe_is_read_whole(tmp_path: Path) -> None:
     assert await child.reap() == 0
 
 
-async def test_output_of_a_child_left_behind_is_read_to_its_end(tmp_path: Path) -> None:
-    """The plugin exits but a child of it still holds stdout: what it prints
-    later is part of the result, and nothing hangs."""
-    binary = _script(tmp_path, "late", "(sleep 0.3; echo '{\"late\": true}') &\nexit 0\n")
-    out = await ProcessExecutor().execute("late", binary, ADD, b"{}", 10)
-    assert json.loads(out) == {"late": True}
+async def test_a_plugin_is_done_when_it_exits_and_its_group_goes_with_it(tmp_path: Path) -> None:
+    """The plugin exits but a child of it still holds stdout: what it printed is
+    the result, the child's later output is not waited for, and the child is
+    killed with the plugin's group (issue 36: it used to hold the call until it
+    closed stdout)."""
+    pidfile = tmp_path / "child.pid"
+    binary = _script(tmp_path, "late", f"(sleep 30; echo late) &\necho $! > {pidfile}\n"
+                                       "echo '{\"early\": true}'\nexit 0\n")
+    out = await asyncio.wait_for(ProcessExecutor().execute("late", binary, ADD, b"{}", 60), 20)
+    assert json.loads(out) == {"early": True}
+    child = int(pidfile.read_text())
+    for _ in range(250):  # SIGKILLed: it goes at once, the kernel only takes a moment
+        if not _alive(child):
+            break
+        await asyncio.sleep(0.02)
+    assert not _alive(child)
+
+
+async def test_a_plugin_inherits_no_descriptor_beyond_stdin_stdout_and_stderr(
+    plugin_dir: Path, control: Control,
+) -> None:
+    """Whatever the agent holds open, inheritable or not (a descriptor that came
+    on a D-Bus message is, as received), a plugin gets 0-2 only."""
+    r, w = os.pipe()
+    os.set_inheritable(r, True)
+    os.set_inheritable(w, True)
+    try:
+        await _run(plugin_dir, control)
+    finally:
+        os.close(r)
+        os.close(w)
+    assert control.records()[0]["inherited_fds"] == []

@@ -4,6 +4,7 @@ job standing in for a stat on a hung mount."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 
 import pytest
@@ -35,6 +36,45 @@ async def test_a_stuck_path_times_out_with_a_named_error_and_the_loop_keeps_runn
     await asyncio.sleep(0.05)
     assert worker.stuck == 0
     assert await worker.run(lambda: 42, "netns", "/x") == 42
+    worker.stop()
+
+
+async def test_jobs_that_arrive_together_each_get_a_thread_of_their_own() -> None:
+    """Two callers in one loop iteration, one idle thread (issue 36, item 7):
+    the second job must start a thread of its own. The idle thread counted as
+    idle until it took a job, so both jobs went to it, the second queued behind
+    the first hung one: fewer threads got stuck than the bound said, and the
+    next hung path was not refused but timed out (test_hung_paths, when the
+    machine was busy enough that the thread woke late)."""
+    worker = PathWorker(threads=2, timeout=30)
+    assert await worker.run(lambda: 1, "netns", "/fine") == 1
+    for _ in range(10_000):  # until the thread is back waiting for work
+        if worker._idle == 1:
+            break
+        await asyncio.sleep(0.001)
+    release = threading.Event()
+    started: list[str] = []
+    both = threading.Event()
+
+    def hang(name: str) -> None:
+        started.append(name)
+        if len(started) == 2:
+            both.set()
+        release.wait()
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1)  # the woken thread cannot run before both jobs are in
+    try:
+        jobs = [asyncio.ensure_future(worker.run(lambda n=n: hang(n), "netns", n))  # type: ignore[misc]
+                for n in "ab"]
+        await asyncio.sleep(0)
+    finally:
+        sys.setswitchinterval(switch)
+    try:
+        assert await asyncio.to_thread(both.wait, 10), started
+    finally:
+        release.set()
+    assert await asyncio.gather(*jobs) == [None, None]
     worker.stop()
 
 

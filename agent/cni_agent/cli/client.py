@@ -49,6 +49,7 @@ MEANINGS: dict[str, str] = {
     ERROR_PREFIX + ErrorKind.TIMEOUT: "timed out",
     ERROR_PREFIX + ErrorKind.ACCESS_DENIED: "access denied",
     ERROR_PREFIX + ErrorKind.SHUTTING_DOWN: "agent shutting down",
+    ERROR_PREFIX + ErrorKind.STATE_ERROR: "agent state error",
     DBUS_ERROR + "AccessDenied": "access denied",
     DBUS_ERROR + "NoReply": "no reply from the agent",
     DBUS_ERROR + "Timeout": "timed out",
@@ -68,6 +69,8 @@ EXIT_STATUSES: dict[str, int] = {
     DBUS_ERROR + "TimedOut": EXIT_NOT_READY,
     ERROR_PREFIX + ErrorKind.ACCESS_DENIED: EXIT_DENIED,
     DBUS_ERROR + "AccessDenied": EXIT_DENIED,
+    # The operation failed (the node's disk, not the caller's request).
+    ERROR_PREFIX + ErrorKind.STATE_ERROR: EXIT_FAILED,
 }
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import reprlib
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,13 +70,24 @@ class LoadedDir:
     invalid: tuple[InvalidNetwork, ...]
 
 
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother = 2, 60, 60
+_SHORT.maxlist = _SHORT.maxdict = 4
+
+
+def _shown(value: Any) -> str:
+    """A value as an error message quotes it: its start only (a file holds up to 1 MiB)."""
+    text = _SHORT.repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _bool_field(source: str, obj: Mapping[str, Any], key: str) -> bool:
     value = obj.get(key, False)
     if isinstance(value, bool):
         return value
     if isinstance(value, str) and value.lower() in ("true", "false"):
         return value.lower() == "true"
-    raise ConfigError(source, f'"{key}" must be true or false, not {value!r}')
+    raise ConfigError(source, f'"{key}" must be true or false, not {_shown(value)}')
 
 
 def _pick_version(source: str, obj: Mapping[str, Any]) -> str:
@@ -90,13 +103,12 @@ def _pick_version(source: str, obj: Mapping[str, Any]) -> str:
         if usable:
             return max(usable, key=version_key)
         if "cniVersion" not in obj:
-            raise ConfigError(source, f'no supported version in "cniVersions" {versions}')
+            raise ConfigError(source, f'no supported version in "cniVersions" {_shown(versions)}')
     if not isinstance(version, str) or not version:
         raise ConfigError(source, '"cniVersion" is missing')
     if version not in SUPPORTED_VERSIONS:
-        raise ConfigError(
-            source, f'cniVersion {version!r} is not supported (supported: {", ".join(SUPPORTED_VERSIONS)})'
-        )
+        raise ConfigError(source, f"cniVersion {_shown(version)} is not supported "
+                                  f"(supported: {', '.join(SUPPORTED_VERSIONS)})")
     return version
 
 
@@ -107,7 +119,7 @@ def _plugin(source: str, index: int, raw: Any) -> PluginConf:
     if not isinstance(ptype, str) or not ptype:
         raise ConfigError(source, f'plugin #{index + 1} has no "type"')
     if "/" in ptype or ptype in (".", ".."):
-        raise ConfigError(source, f"plugin #{index + 1} has an invalid type {ptype!r}")
+        raise ConfigError(source, f"plugin #{index + 1} has an invalid type {_shown(ptype)}")
     caps = raw.get("capabilities", {})
     if not isinstance(caps, dict):
         raise ConfigError(source, f'plugin {ptype}: "capabilities" must be an object')
@@ -198,14 +210,34 @@ def config_files(conf_dir: str) -> list[str]:
     ]
 
 
+_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+          stat.S_IFSOCK: "a socket"}
+
+
 def read_config(path: str) -> NetworkConfigList:
+    """Parse one network file. Only a regular file is opened: a FIFO would
+    block every scan (and `config check`) until someone writes to it, and
+    opening a device can act."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_CONFIG_BYTES + 1)
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            kind = _KINDS.get(stat.S_IFMT(st.st_mode), "not a file")
+            raise ConfigError(path, f"not a regular file ({kind}): not read")
+        if st.st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(path, f"larger than {MAX_CONFIG_BYTES} bytes: not read")
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced since the stat
+                raise ConfigError(path, "not a regular file: not read")
+            data = os.read(fd, MAX_CONFIG_BYTES + 1)
+            while len(data) <= MAX_CONFIG_BYTES and (more := os.read(fd, MAX_CONFIG_BYTES + 1 - len(data))):
+                data += more
+        finally:
+            os.close(fd)
     except OSError as e:
         raise ConfigError(path, f"cannot read: {e.strerror}") from None
     if len(data) > MAX_CONFIG_BYTES:
-        raise ConfigError(path, f"larger than {MAX_CONFIG_BYTES} bytes")
+        raise ConfigError(path, f"larger than {MAX_CONFIG_BYTES} bytes: not read")
     return parse_file(path, data)
 
 

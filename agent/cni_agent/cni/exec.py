@@ -28,6 +28,7 @@ from cni_agent.cni.errors import (
     PluginTimeout,
     PluginUnsafe,
 )
+from cni_agent.cni.leftovers import RUN_ENV, Leftovers, make_subreaper
 from cni_agent.cni.spawn import Child
 from cni_agent.cni.trust import untrusted_reason
 
@@ -115,8 +116,14 @@ def decode_json(plugin: str, verb: str, out: bytes) -> Any:
         ) from None
 
 
+# Control characters of a plugin's garbage, spelled out: a NUL in an error
+# message cannot cross D-Bus, and a terminal should not act on an escape.
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F) if c not in (0x09, 0x0A)}
+
+
 def _excerpt(data: bytes, limit: int = 200) -> str:
-    text = data.decode("utf-8", "replace").strip()
+    """The start of what a plugin printed, for a person: invalid UTF-8 as `\\xNN`."""
+    text = data[: limit * 4].decode("utf-8", "backslashreplace").strip().translate(_CONTROLS)
     return text if len(text) <= limit else text[:limit] + "…"
 
 
@@ -183,7 +190,11 @@ class ProcessExecutor:
         busy_delay: float = 0.2,
         base_env: Mapping[str, str] | None = None,
         instance: str = "",
+        subreaper: bool = False,
     ) -> None:
+        """`subreaper`: make this process the reaper of what plugins leave (the
+        daemon's choice: process-wide, see `leftovers`); without it what they
+        leave in another session goes to init, unseen."""
         self._max_stdout = max_stdout
         self._max_stderr = max_stderr
         self._busy_retries = busy_retries
@@ -191,6 +202,9 @@ class ProcessExecutor:
         self._base_env = base_env
         self._instance = instance
         self._env_cache: dict[str, str] | None = None
+        self._leftovers = Leftovers()
+        if subreaper:
+            make_subreaper()
 
     def find(self, plugin: str, dirs: Sequence[str], verb: str) -> str:
         return find_plugin(plugin, dirs, verb)
@@ -208,9 +222,12 @@ class ProcessExecutor:
 
     async def _spawn(self, plugin: str, binary: str, inv: Invocation, stdin: bytes) -> Child:
         env = self._environ(inv)
+        token = env[RUN_ENV] = self._leftovers.token()
         for attempt in range(self._busy_retries + 1):
             try:
-                return Child(binary, env, stdin, self._max_stdout, self._max_stderr)
+                return Child(binary, env, stdin, self._max_stdout, self._max_stderr,
+                             leftovers=self._leftovers, token=token,
+                             label=f"{plugin} {inv.command}")
             except OSError as e:
                 # A binary being replaced (package upgrade) is briefly busy.
                 if e.errno == errno.ETXTBSY and attempt < self._busy_retries:
@@ -244,6 +261,8 @@ class ProcessExecutor:
             if rc is None:
                 rc = await asyncio.shield(child.reap())
         out = child.stdout
+        if rc is None:  # SIGKILLed at the deadline and not gone yet: an error anyway
+            raise PluginKilled(plugin, inv.command, "SIGKILL")
         if rc != 0:
             raise _error_from_exit(plugin, inv.command, rc, out, child.stderr)
         return out

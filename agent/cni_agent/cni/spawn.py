@@ -3,11 +3,15 @@
 asyncio's subprocess layer (Popen, three pipe transports and protocols, stream
 readers, a child watcher) cost ~0.7 ms of the agent's CPU per exec and some 60
 loop iterations; this is a posix_spawn and a pidfd reader: one loop wake-up
-when the plugin exits, then stdout and stderr are read to their end at once.
+when the plugin exits, then what stdout and stderr hold is read at once.
 The pipes are watched only if the plugin has not exited within `_WATCH_AFTER`
-(it may be blocked writing more than a pipe holds) or if, once it has, a pipe
-is still open (a child of it holds the write end). `exec.ProcessExecutor` is
+(it may be blocked writing more than a pipe holds). `exec.ProcessExecutor` is
 its only user.
+
+A plugin is done when it exits: what it wrote is in the pipes by then, so
+they are read (briefly, boundedly) and closed; a descendant still holding
+them open is no reason to wait. Whatever it left running is killed as its
+call ends (`leftovers`), and logged at WARNING.
 
 The process is reaped only after its group was killed: while it is unreaped
 (a zombie at worst) its pid, and so its process group id, cannot be reused,
@@ -18,9 +22,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import logging
 import os
 import signal
 from collections.abc import Mapping
+
+from cni_agent.cni.leftovers import Left, Leftovers
+
+log = logging.getLogger(__name__)
 
 # Python ignores these at start-up and an ignored signal stays ignored across
 # exec; Popen's restore_signals put them back to default, so do we.
@@ -30,6 +40,18 @@ _CHUNK = 65536
 # watching; a slower one or one with more output than a pipe holds (64 KiB) is
 # watched from then on, so is delayed by at most this.
 _WATCH_AFTER = 0.01
+# Reads of a pipe once the plugin has exited: what it wrote is there (a pipe
+# holds 64 KiB; more was read while it ran); a leftover writing on and on
+# must not hold the loop.
+_DRAIN_READS = 16
+# How long a plugin SIGKILLed at its deadline may take to exit before the
+# caller is answered anyway (it is reaped when it does exit).
+_EXIT_GRACE = 0.5
+
+# Python 3.13 closes every descriptor >= 3 in the child (close_range there);
+# before it, every descriptor of ours >= 3 is made close-on-exec at each spawn.
+_CLOSEFROM = getattr(os, "POSIX_SPAWN_CLOSEFROM", None)
+_CLOSE_RANGE_CLOEXEC = 1 << 2
 
 
 def kill_group(pid: int) -> None:
@@ -37,14 +59,45 @@ def kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
+class _Cloexec:
+    """Descriptors >= 3 close-on-exec, so a plugin inherits only stdin, stdout
+    and stderr whatever the agent holds (a descriptor that came on a D-Bus
+    message, say). Python makes its own non-inheritable; this is for the rest.
+    One close_range(CLOSE_RANGE_CLOEXEC) (Linux 5.11): ~1 us; else a walk of
+    /proc/self/fd."""
+
+    def __init__(self) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        self._close_range = getattr(libc, "close_range", None)
+
+    def __call__(self) -> None:
+        if self._close_range is not None:
+            if self._close_range(3, ctypes.c_uint(0xFFFFFFFF), _CLOSE_RANGE_CLOEXEC) == 0:
+                return
+            self._close_range = None  # an older kernel: EINVAL or ENOSYS, every time
+        for name in os.listdir("/proc/self/fd"):
+            fd = int(name)
+            if fd > 2:
+                with contextlib.suppress(OSError):
+                    if os.get_inheritable(fd):
+                        os.set_inheritable(fd, False)
+
+
+_cloexec = _Cloexec() if _CLOSEFROM is None else None
+
+
 class Child:
     """A spawned plugin: stdin fed, stdout kept up to a cap, stderr up to another."""
 
     def __init__(self, binary: str, env: Mapping[str, str], stdin: bytes,
-                 max_stdout: int, max_stderr: int) -> None:
+                 max_stdout: int, max_stderr: int, *, leftovers: Leftovers | None = None,
+                 token: str = "", label: str = "") -> None:
         """Spawn `binary` in its own session (so its own process group), in the
-        agent's working directory (the daemon's is /). OSError if it cannot run."""
+        agent's working directory (the daemon's is /). OSError if it cannot run.
+        `token`: the run's (in `env` too), for `leftovers`; `label` names it in logs."""
         self._loop = asyncio.get_running_loop()
+        self._leftovers, self._token, self._label = leftovers, token, label
+        self.left: list[Left] = []  # what it left running (killed), once reaped
         pipes: list[tuple[int, int]] = []
         try:
             for _ in range(3):
@@ -58,9 +111,14 @@ class Child:
             self._pending = memoryview(stdin)
             self._stdin_fd = in_w
             self._fill()
-            self.pid = os.posix_spawn(
-                binary, [binary], env, setsid=True, setsigdef=_DEFAULT_SIGNALS,
-                file_actions=[(os.POSIX_SPAWN_DUP2, fd, i) for i, fd in enumerate(theirs)])
+            actions: list[tuple[int, ...]] = [
+                (os.POSIX_SPAWN_DUP2, fd, i) for i, fd in enumerate(theirs)]
+            if _CLOSEFROM is not None:
+                actions.append((_CLOSEFROM, 3))
+            elif _cloexec is not None:
+                _cloexec()
+            self.pid = os.posix_spawn(binary, [binary], env, setsid=True,
+                                      setsigdef=_DEFAULT_SIGNALS, file_actions=actions)
         except BaseException:
             for fd in (fd for pipe in pipes for fd in pipe):
                 os.close(fd)
@@ -75,11 +133,15 @@ class Child:
             for fd in ours:
                 os.close(fd)
             raise
+        if leftovers is not None:
+            leftovers.started(self.pid, token)
         self._out_fd, self._err_fd = out_r, err_r
         self._caps = {self._out_fd: max_stdout, self._err_fd: max_stderr}
         self._bufs = {self._out_fd: bytearray(), self._err_fd: bytearray()}
         self.too_big = False  # stdout went over its cap (reading stopped there)
         self._exited = False
+        self._abandoned = False  # answered before it exited: `_on_exit` reaps it
+        self._exit_waiter: asyncio.Future[None] | None = None
         self._watched: set[int] = set()
         self._done: asyncio.Future[None] = self._loop.create_future()
         self._loop.add_reader(self._pidfd, self._on_exit)
@@ -132,15 +194,11 @@ class Child:
         self._watched.add(fd)
 
     def _drain(self, fd: int) -> None:
-        """Read `fd` to its end if it is there; else watch it. A few reads at
-        most: a child left behind writing on and on must not hold the loop."""
-        for _ in range(4):
-            if fd not in self._caps:
-                return
-            if not self._read(fd):
+        """Read what `fd` holds now (the plugin has exited), then stop reading it."""
+        for _ in range(_DRAIN_READS):
+            if fd not in self._caps or not self._read(fd):
                 break
-        if fd in self._caps:
-            self._watch(fd)
+        self._stop_reading(fd)
 
     def _read(self, fd: int) -> bool:
         """One read; False if there was nothing to read yet."""
@@ -180,54 +238,67 @@ class Child:
         for fd in list(self._caps):
             self._drain(fd)
         self._check_done()
+        if self._exit_waiter is not None and not self._exit_waiter.done():
+            self._exit_waiter.set_result(None)
+        if self._abandoned:
+            self._reap()
 
     def _check_done(self) -> None:
-        finished = self.too_big or (self._exited and not self._caps)
+        finished = self.too_big or self._exited
         if finished and not self._done.done():
             self._done.set_result(None)
 
     # --- the caller's side ----------------------------------------------------------
 
     async def finished(self) -> None:
-        """Until both pipes reached EOF and the process exited, or stdout went over its cap.
+        """Until the process exited (what its pipes held is read), or stdout went over its cap.
 
-        A timeout cancels the future awaited here; `reap` makes a new one if it must wait.
+        A timeout cancels the future awaited here; `reap` waits on one of its own.
         """
         await self._done
 
     def reap_now(self) -> int | None:
-        """`reap` when there is nothing left to wait for (the usual case), else None:
-        no task, no loop iteration."""
-        if not self._exited or self._caps:
+        """`reap` when the plugin has exited (the usual case), else None: no task,
+        no loop iteration."""
+        if not self._exited:
             return None
+        return self._reap()
+
+    async def reap(self) -> int | None:
+        """Kill the group, wait (briefly) for the exit and reap; the exit status
+        (-N: signal N), None if it has not exited within `_EXIT_GRACE` of the
+        SIGKILL (it is reaped when it does: the caller need not wait)."""
         kill_group(self.pid)
         self._close_stdin()
-        return self._status()
-
-    async def reap(self, grace: float = 5.0) -> int:
-        """Kill the group, wait for the exit and reap; the exit status (-N: signal N).
-
-        Pipes are drained (and dropped) for at most `grace` s: something outside
-        the group may hold them open, and must not keep us waiting.
-        """
-        kill_group(self.pid)
-        self._close_stdin()
-        if not self._exited or self._caps:
-            self.too_big = False  # from here on only the exit matters
-            self._done = self._loop.create_future()
-            self._check_done()
+        for fd in list(self._caps):
+            self._stop_reading(fd)
+        if not self._exited:
+            self._exit_waiter = self._loop.create_future()
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(grace):
-                    await asyncio.shield(self._done)
-            for fd in list(self._caps):
-                self._stop_reading(fd)
-            if not self._exited:
-                await asyncio.shield(self._done)  # SIGKILLed: it exits
-        return self._status()
+                async with asyncio.timeout(_EXIT_GRACE):
+                    await asyncio.shield(self._exit_waiter)
+        if self._exited:
+            return self._reap()
+        self._abandoned = True
+        log.warning("plugin %s did not exit within %gs of SIGKILL (pid %d); it is reaped "
+                    "when it does", self._label, _EXIT_GRACE, self.pid)
+        return None
 
-    def _status(self) -> int:
+    def _reap(self) -> int:
+        """Once exited: kill what it left, then its group, and reap it."""
+        if self._leftovers is not None:
+            self.left = self._leftovers.sweep(self.pid, self._token)
+            if self.left:
+                log.warning("plugin %s left %d process(es) running, killed: %s", self._label,
+                            len(self.left), ", ".join(map(str, self.left)))
+        kill_group(self.pid)
+        self._close_stdin()
+        for fd in list(self._caps):
+            self._stop_reading(fd)
         try:
             _, status = os.waitpid(self.pid, os.WNOHANG)  # it has exited: its pidfd said so
         finally:
             os.close(self._pidfd)
+            if self._leftovers is not None:
+                self._leftovers.ended(self.pid)
         return os.waitstatus_to_exitcode(status)

@@ -64,7 +64,12 @@ class PathWorker:
             queue.SimpleQueue())
         self._lock = threading.Lock()  # the counters, shared with the threads
         self._started = 0
+        # Threads waiting for work that no job has claimed yet. A job claims one
+        # as it is queued (not when the thread wakes up to take it): a thread
+        # counted idle until it woke made a second job arriving meanwhile queue
+        # behind the first instead of starting a thread of its own.
         self._idle = 0
+        self._backlog = 0  # jobs queued with no thread claimed for them
         self._stuck = 0  # jobs still running after their caller gave up on them
         self._stopped = False
 
@@ -80,29 +85,33 @@ class PathWorker:
                 raise AgentError(ErrorKind.SHUTTING_DOWN, "cni-agent is shutting down")
             if self._stuck >= self.threads:
                 raise PathsBusy(self._stuck)
-            if self._idle == 0 and self._started < self.threads:
+            if self._idle:
+                self._idle -= 1
+            elif self._started < self.threads:
                 self._started += 1
                 threading.Thread(target=self._serve, name=f"cni-agent-paths-{self._started}",
                                  daemon=True).start()
+            else:
+                self._backlog += 1  # the next thread to finish a job takes it
         self._jobs.put((fut, func))
         return fut
 
     def _serve(self) -> None:
         while True:
-            with self._lock:
-                self._idle += 1
-            item = self._jobs.get()
-            with self._lock:
-                self._idle -= 1
+            item = self._jobs.get()  # claimed for us when it was queued
             if item is None:
                 return
             fut, func = item
-            if not fut.set_running_or_notify_cancel():
-                continue  # its caller gave up before it started
-            try:
-                fut.set_result(func())
-            except BaseException as e:
-                fut.set_exception(e)
+            if fut.set_running_or_notify_cancel():  # else its caller gave up before it started
+                try:
+                    fut.set_result(func())
+                except BaseException as e:
+                    fut.set_exception(e)
+            with self._lock:
+                if self._backlog:
+                    self._backlog -= 1
+                else:
+                    self._idle += 1
 
     async def run(self, func: Callable[[], _T], field: str, path: str,
                   discard: Callable[[_T], None] | None = None) -> _T:

@@ -262,6 +262,7 @@ class Monitor:
             started = self._requested
             try:
                 scan = await read_disk(self.runtime, self.conf_dir, self.pinned, self.fallback)
+                _log_new_invalid(self._scan, scan)
                 self._scan = scan
                 self._networks = {n.name: n for n in scan.networks}
                 self._default = scan.default
@@ -434,3 +435,11 @@ def _ready_text(default: str, names: tuple[str, ...], others: tuple[tuple[str, s
 
 def _refused_note(directory: str, why: str) -> str:
     return f"plugin directory {directory} not used: {why}"
+
+
+def _log_new_invalid(old: Scan | None, new: Scan) -> None:
+    """A network file skipped, once per cause (each scan finds it again)."""
+    seen = {(b.source, b.reason) for b in old.invalid} if old is not None else set()
+    for bad in new.invalid:
+        if (bad.source, bad.reason) not in seen:
+            log.warning("network configuration %s skipped: %s", bad.source, bad.reason)

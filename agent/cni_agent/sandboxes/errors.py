@@ -40,7 +40,9 @@ def classify(exc: BaseException) -> AgentError:
     if isinstance(exc, ConfigError):
         return AgentError(ErrorKind.NOT_READY, str(exc))
     if isinstance(exc, CacheError | OSError):
-        return AgentError(ErrorKind.PLUGIN_FAILED, f"agent state error: {exc}")
+        # The agent's own disk (state_dir, runtime_dir): full, read-only,
+        # unreadable now. Never a plugin's failure.
+        return AgentError(ErrorKind.STATE_ERROR, f"agent state error: {exc}")
     return AgentError(ErrorKind.PLUGIN_FAILED, f"internal error: {type(exc).__name__}: {exc}")
 
 

@@ -35,7 +35,7 @@ from cni_agent.node.locks import LockTimeout, NetworkLocks, SandboxLocks
 from cni_agent.node.netns import Pinned
 from cni_agent.sandboxes.journal import Journal, Unconfirmed
 from cni_agent.sandboxes.order import Kind, Sequencer
-from cni_agent.sandboxes.records import Phase, SandboxRecord
+from cni_agent.sandboxes.records import Phase, SandboxRecord, StateUnavailable
 
 log = logging.getLogger(__name__)
 # Seconds a reaping waits for a scheduled CHECK to yield the lock (it stops at
@@ -58,6 +58,7 @@ class _Snapshot:
     records: dict[str, SandboxRecord]
     entries: dict[str, list[CachedAttachment]]  # by sandbox
     unreadable: list[str]
+    unavailable: list[str] = field(default_factory=list)  # records not readable now: left alone
 
 
 def gc_verb_allowed(declared: Collection[str]) -> Callable[[str], bool]:
@@ -204,7 +205,7 @@ class Reaper:
                     self._account(report, sid, errors)
         except LockTimeout:
             report.busy.append(sid)
-        except UNANSWERED as e:
+        except (*UNANSWERED, StateUnavailable) as e:
             report.errors.append(f"sandbox {sid}: not looked at: {e}")
 
     async def stop(self) -> None:
@@ -219,23 +220,27 @@ class Reaper:
     def _snapshot(self, prefix: str = "") -> _Snapshot:
         """The records (of the ids beginning `prefix`) and cache entries (all of
         them, or only those records' when a prefix narrows it to one owner)."""
-        records, bad = self.journal.store.all(prefix)
+        listing = self.journal.store.scan(prefix)
         entries: dict[str, list[CachedAttachment]] = {}
         if prefix:
             cache = self.journal.runtime.cache
-            for r in records:
+            for r in listing.records:
                 entries[r.sandbox_id] = [e for a in r.attachments
                                          if (e := _read(cache, a.network, r.sandbox_id, a.ifname))]
         else:
             for e in self.journal.runtime.cache.all():
                 entries.setdefault(e.container_id, []).append(e)
-        return _Snapshot({r.sandbox_id: r for r in records}, entries, bad)
+        return _Snapshot({r.sandbox_id: r for r in listing.records}, entries, listing.damaged,
+                         listing.unavailable)
 
     async def _candidates(self, snap: _Snapshot, valid_ids: Collection[str] | None,
                           report: GCReport) -> list[str]:
         """Sandboxes that may need work (decided again under their lock)."""
         out = []
         for sid in sorted(set(snap.records) | set(snap.entries) | set(snap.unreadable)):
+            if sid in snap.unavailable:  # its record could not be read now: next pass
+                report.errors.append(f"sandbox {sid}: not looked at: its record cannot be read now")
+                continue
             rec = snap.records.get(sid)
             entries = {(e.network, e.ifname): e for e in snap.entries.get(sid, [])}
             try:
@@ -289,8 +294,8 @@ class Reaper:
             report.busy.append(sid)  # an operation is under way: not stale now
         except Unconfirmed:
             report.unconfirmed.append(sid)
-        except UNANSWERED as e:
-            # Alive or not is unknown: leave it to the next GC.
+        except (*UNANSWERED, StateUnavailable) as e:
+            # Alive or not is unknown, or its record cannot be read now: next GC.
             report.errors.append(f"sandbox {sid}: not looked at: {e}")
 
     async def _reap_locked(self, sid: str, rec: SandboxRecord | None,

@@ -42,6 +42,18 @@ class DamagedRecord(CacheError):
         self.reason = reason
 
 
+class StateUnavailable(CacheError):
+    """A sandbox record that cannot be read now (too many open files, no
+    memory, an I/O or permission error): the operation fails, the file stays.
+    Only what a record contains makes it damaged, never the read failing."""
+
+    def __init__(self, path: str, error: OSError) -> None:
+        super().__init__(f"{path}: cannot read the sandbox record now ({error.strerror or error}); "
+                         "it is left in place")
+        self.path = path
+        self.errno = error.errno
+
+
 class CheckVerdict(StrEnum):
     """What the last CHECK of an attachment said, measured against its baseline."""
 
@@ -219,14 +231,23 @@ class SandboxStore:
             raise CacheError(f"cannot write sandbox record: {e}") from e
 
     def read(self, sandbox_id: str) -> SandboxRecord | None:
-        """The record, None when there is none; DamagedRecord when it is unreadable."""
+        """The record, None when there is none; DamagedRecord when what it holds
+        is unusable (empty, not JSON, an unknown phase or version), to be set
+        aside; StateUnavailable when it cannot be read now (EMFILE, ENFILE,
+        ENOMEM, EIO, EACCES, EINTR, or any other errno: a failing read says
+        nothing about the content, and setting it aside would lose the owner,
+        the namespace's identity and the check state for good)."""
         path = self.path(sandbox_id)
         try:
             with open(path, "rb") as f:
-                return SandboxRecord.from_json(json.load(f))
+                data = f.read()
         except FileNotFoundError:
             return None
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except OSError as e:
+            raise StateUnavailable(path, e) from None
+        try:
+            return SandboxRecord.from_json(json.loads(data))
+        except (ValueError, KeyError, TypeError) as e:
             raise DamagedRecord(path, str(e) or type(e).__name__) from None
 
     def set_aside(self, sandbox_id: str) -> str:
@@ -273,16 +294,33 @@ class SandboxStore:
         return sorted(n[: -len(".json")] for n in names
                       if n.endswith(".json") and not n.startswith(".") and n.startswith(prefix))
 
-    def all(self, prefix: str = "") -> tuple[list[SandboxRecord], list[str]]:
-        """Every readable record (of the ids beginning `prefix`), and the ids
-        of unreadable ones."""
-        records, bad = [], []
+    def scan(self, prefix: str = "") -> Listing:
+        """Every record (of the ids beginning `prefix`): the readable ones, the
+        ids of damaged ones, and of those that cannot be read now (to be left
+        alone: looked at again next time)."""
+        listing = Listing([], [], [])
         for sid in self.ids(prefix):
             try:
                 rec = self.read(sid)
-            except CacheError:
-                bad.append(sid)
+            except DamagedRecord:
+                listing.damaged.append(sid)
+                continue
+            except StateUnavailable:
+                listing.unavailable.append(sid)
                 continue
             if rec is not None:
-                records.append(rec)
-        return records, bad
+                listing.records.append(rec)
+        return listing
+
+    def all(self, prefix: str = "") -> tuple[list[SandboxRecord], list[str]]:
+        """Every readable record (of the ids beginning `prefix`), and the ids
+        of damaged ones (`scan` without those that cannot be read now)."""
+        listing = self.scan(prefix)
+        return listing.records, listing.damaged
+
+
+@dataclass(frozen=True)
+class Listing:
+    records: list[SandboxRecord]
+    damaged: list[str]
+    unavailable: list[str]

@@ -22,7 +22,7 @@ from typing import TypeVar
 
 from dbus_fast.errors import DBusError
 
-from cni_agent.api import ERROR_PREFIX, AgentError, ErrorKind
+from cni_agent.api import ERROR_PREFIX, AgentError, ErrorKind, wire_text
 from cni_agent.cni.errors import InvalidArgument
 from cni_agent.sandboxes.errors import classify
 from cni_agent.sandboxes.policy import Caller, Role, Scope
@@ -82,17 +82,34 @@ def invalid(field: str, reason: str) -> AgentError:
 
 
 def error_of(name: str, e: Exception) -> tuple[str, str]:
-    """A call's failure as the contract's error name and its message. Call it
-    from the `except` that caught `e`: an unexpected failure is logged with
-    its traceback."""
+    """A call's failure as the contract's error name and its message (text a
+    D-Bus string can carry: `wire_text`). Call it from the `except` that caught
+    `e`: an unexpected failure is logged with its traceback."""
     if isinstance(e, AgentError):
-        return ERROR_PREFIX + str(e.kind), e.message
+        return ERROR_PREFIX + str(e.kind), wire_text(e.message)
     if isinstance(e, DBusError):
         return str(e.type), e.text
     if not isinstance(e, InvalidArgument):
         log.exception("%s failed unexpectedly", name)
     err = classify(e)
-    return ERROR_PREFIX + str(err.kind), err.message
+    return ERROR_PREFIX + str(err.kind), wire_text(err.message)
+
+
+def sendable(value: T) -> T:
+    """`value` if D-Bus can carry it, else a named error: dbus-fast marshals a
+    reply in a callback, where a NUL or a lone surrogate in a string fails it
+    (5.x answers a generic ServiceError, 1.84 with a traceback). Our results
+    are ASCII JSON and checked ids, so this only catches a defect; it costs
+    a scan of the strings, not a second marshalling. The shim's socket could
+    carry more, but answers the same: the shim must not tell them apart."""
+    if isinstance(value, str):
+        if (not value.isascii() or "\0" in value) and wire_text(value, len(value)) != value:
+            raise AgentError(ErrorKind.PLUGIN_FAILED, "internal error: the reply holds text "
+                             f"D-Bus cannot carry: {wire_text(value, 200)}")
+    elif isinstance(value, list | tuple):
+        for item in value:
+            sendable(item)
+    return value
 
 
 class Admission:

@@ -28,6 +28,7 @@ from cni_agent.api import (
     INTERFACE_REVISION,
     AgentError,
     ErrorKind,
+    wire_text,
 )
 from cni_agent.cni.args import PodMeta
 from cni_agent.readiness.monitor import Monitor, NetworkState
@@ -36,7 +37,7 @@ from cni_agent.sandboxes.attach import AttachRequest
 from cni_agent.sandboxes.checks import Outcome
 from cni_agent.sandboxes.manager import DEFAULT_IFNAME, NetworkRequest, SandboxManager, SetupRequest
 from cni_agent.sandboxes.policy import METHODS, Caller, Scope, cnicall_scope
-from cni_agent.service.admission import Admission, InFlight, cnicall, error_of
+from cni_agent.service.admission import Admission, InFlight, cnicall, error_of, sendable
 from cni_agent.service.auth import Authorizer
 from cni_agent.service.cnicall import ShimCalls, command_of
 from cni_agent.service.gate import Gate, close_all
@@ -222,8 +223,9 @@ class AgentInterface(ServiceInterface):
         scope = METHODS[name] if scope is None else scope
         try:
             credentials = await self.authorizer.credentials(info.sender, name)
-            value = await self.admission.serve(name, scope, credentials, work, sender=info.sender,
-                                               counted=info.counted, interactive=info.interactive)
+            value = sendable(await self.admission.serve(
+                name, scope, credentials, work, sender=info.sender, counted=info.counted,
+                interactive=info.interactive))
             result = "ok"
             return value
         except Exception as e:
@@ -265,13 +267,13 @@ class AgentInterface(ServiceInterface):
         if old.ready != state.ready:
             changed["NetworkReady"] = state.ready
         if old.status != state.status:
-            changed["Status"] = state.status
+            changed["Status"] = wire_text(state.status)
         if old.default_network != state.default_network:
             changed["DefaultNetwork"] = state.default_network
         if old.networks != state.networks:
             changed["Networks"] = list(state.networks)
         if old.last_error != state.last_error:
-            changed["LastError"] = state.last_error
+            changed["LastError"] = wire_text(state.last_error)
         if not changed:
             return
         try:
@@ -299,7 +301,7 @@ class AgentInterface(ServiceInterface):
             return
         try:
             self.AttachmentDrifted(outcome.sandbox_id, outcome.network, outcome.ifname,
-                                   outcome.reason)
+                                   wire_text(outcome.reason))
         except Exception as e:  # as for PropertiesChanged: the connection is gone
             log.info("AttachmentDrifted not sent, the bus connection is gone: %s", e)
 
@@ -319,7 +321,7 @@ class AgentInterface(ServiceInterface):
     @dbus_property(access=PropertyAccess.READ)
     @signature(returns="s")
     def Status(self) -> str:
-        return self._shown.status
+        return wire_text(self._shown.status)
 
     @dbus_property(access=PropertyAccess.READ)
     @signature(returns="s")
@@ -334,7 +336,7 @@ class AgentInterface(ServiceInterface):
     @dbus_property(access=PropertyAccess.READ)
     @signature(returns="s")
     def LastError(self) -> str:
-        return self._shown.last_error
+        return wire_text(self._shown.last_error)
 
     @dbus_property(access=PropertyAccess.READ)
     @signature(returns="as")

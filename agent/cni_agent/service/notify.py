@@ -12,9 +12,17 @@ import logging
 import os
 import time
 
+from cni_agent.api import wire_text
 from systemd import daemon  # type: ignore[attr-defined]
 
 log = logging.getLogger(__name__)
+
+
+def _line(text: str) -> str:
+    """A status as one assignment: a plugin's message may hold NUL (which
+    fails the whole send) or a newline (which would start another one,
+    READY=1 say)."""
+    return wire_text(text, 1024).replace("\n", " ")
 
 
 class Notifier:
@@ -35,17 +43,17 @@ class Notifier:
             return False
 
     def ready(self, status: str) -> None:
-        self.send("READY=1", f"STATUS={status}")
+        self.send("READY=1", f"STATUS={_line(status)}")
 
     def status(self, text: str) -> None:
-        self.send(f"STATUS={text}")
+        self.send(f"STATUS={_line(text)}")
 
     def reloading(self) -> None:
         usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
         self.send("RELOADING=1", f"MONOTONIC_USEC={usec}")
 
     def stopping(self, status: str) -> None:
-        self.send("STOPPING=1", f"STATUS={status}")
+        self.send("STOPPING=1", f"STATUS={_line(status)}")
 
     def watchdog_interval(self) -> float | None:
         """Half of WATCHDOG_USEC, when the watchdog is enabled for this process."""

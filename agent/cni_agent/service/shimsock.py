@@ -52,6 +52,7 @@ from cni_agent.service.admission import (
     cnicall,
     error_of,
     invalid,
+    sendable,
 )
 from cni_agent.service.auth import groups_of_user
 from cni_agent.service.cnicall import MAX_CONFIG, ShimCalls, command_of
@@ -301,4 +302,4 @@ class ShimSocket:
         if request.config is None:  # not read: over the caller's bound
             check_cnicall(caller, request.env, request.config_len)
             raise invalid("config", f"larger than {MAX_CONFIG} bytes")
-        return await cnicall(self.shim, caller, request.env, request.config)
+        return sendable(await cnicall(self.shim, caller, request.env, request.config))

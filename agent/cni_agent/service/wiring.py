@@ -68,7 +68,8 @@ def build_core(cfg: AgentConfig, executor: Executor | None = None) -> Core:
     metrics = Metrics()
     runtime = CNIRuntime(
         cfg.plugin_dirs, cfg.state_dir,
-        executor=metrics.observe(executor or ProcessExecutor(instance=instance_of(cfg))),
+        executor=metrics.observe(executor or ProcessExecutor(instance=instance_of(cfg),
+                                                             subreaper=True)),
         timeouts=Timeouts(add=t.add, delete=t.delete, check=t.check, status=t.status,
                           gc=t.gc, version=t.version),
     )
