@@ -40,7 +40,6 @@ import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from cni_agent.api import ERROR_PREFIX, AgentError, ErrorKind
 from cni_agent.sandboxes.policy import Caller, Role, cnicall_scope
@@ -109,14 +108,14 @@ class Request:
     config_len: int
 
 
-def _decode(data: bytes, what: str) -> str:
+def _decode(data: bytes | bytearray, what: str) -> str:
     try:
         return data.decode()
     except UnicodeDecodeError:
         raise invalid("request", f"the {what} is not valid UTF-8") from None
 
 
-def parse_env(data: bytes) -> dict[str, str]:
+def parse_env(data: bytes | bytearray) -> dict[str, str]:
     if data and not data.endswith(b"\0"):
         raise invalid("environment", "each KEY=VALUE entry must end with a NUL byte")
     env = {}
@@ -128,24 +127,39 @@ def parse_env(data: bytes) -> dict[str, str]:
     return env
 
 
-async def read_request(reader: asyncio.StreamReader, config_bound: int) -> Request:
-    """One request; AgentError when malformed (a client that closed early included)."""
-    try:
-        if await reader.readexactly(len(MAGIC)) != MAGIC:
-            raise invalid("request", "not a cni-agent-shim request (it must begin with "
+class RequestParser:
+    """One request, as its bytes arrive: `feed` returns it once whole, raises
+    AgentError as soon as it cannot be one (a length past its bound is refused
+    before what it announces is read)."""
+
+    def __init__(self, config_bound: int) -> None:
+        self.buf = bytearray()
+        self.config_bound = config_bound
+
+    def feed(self, data: bytes) -> Request | None:
+        self.buf += data
+        b = self.buf
+        if b[:len(MAGIC)] != MAGIC[:len(b)]:
+            raise invalid("request", f"not a cni-agent-shim request (it must begin with "
                                      f"{MAGIC.decode()})")
-        env_len = _U32.unpack(await reader.readexactly(_U32.size))[0]
+        if len(b) < 8:
+            return None
+        env_len = _U32.unpack_from(b, 4)[0]
         if env_len > MAX_ENV:
             raise invalid("environment", f"larger than {MAX_ENV} bytes")
-        env = parse_env(await reader.readexactly(env_len))
-        config_len = _U32.unpack(await reader.readexactly(_U32.size))[0]
-        if config_len > config_bound:
-            return Request(env, None, config_len)
-        config = _decode(await reader.readexactly(config_len), "configuration")
-    except asyncio.IncompleteReadError as e:
-        raise invalid("request", f"it ended after {len(e.partial)} more byte(s), before its "
-                                 "end") from None
-    return Request(env, config, config_len)
+        head = 8 + env_len + _U32.size
+        if len(b) < head:
+            return None
+        config_len = _U32.unpack_from(b, head - _U32.size)[0]
+        if config_len > self.config_bound:
+            return Request(parse_env(b[8:8 + env_len]), None, config_len)
+        if len(b) < head + config_len:
+            return None
+        return Request(parse_env(b[8:8 + env_len]),
+                       _decode(b[head:head + config_len], "configuration"), config_len)
+
+    def ended(self) -> AgentError:
+        return invalid("request", f"it ended after {len(self.buf)} bytes, before its end")
 
 
 class ShimSocket:
@@ -155,9 +169,10 @@ class ShimSocket:
         self.admission = admission
         self.shim = shim
         self._on_operation = on_operation  # as the bus's: ("CNICall", result, seconds)
-        self._server: asyncio.Server | None = None
+        self._server: asyncio.AbstractServer | None = None
         self._inode = 0
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._connections: set[_Connection] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         self._strangers: collections.Counter[int] = collections.Counter()
 
     async def start(self) -> None:
@@ -176,7 +191,8 @@ class ShimSocket:
             sock.listen(socket.SOMAXCONN)
             os.rename(tmp, self.path)
             self._inode = os.stat(self.path).st_ino
-            self._server = await asyncio.start_unix_server(self._connection, sock=sock)
+            self._server = await asyncio.get_running_loop().create_unix_server(
+                lambda: _Connection(self), sock=sock)
         except BaseException:
             sock.close()
             with contextlib.suppress(OSError):
@@ -199,72 +215,36 @@ class ShimSocket:
         drain waits for those); answer whatever is left ShuttingDown."""
         self.stop_listening()
         await self.admission.in_flight.wait_idle()
-        for task in self._tasks:
-            task.cancel()
+        for conn in list(self._connections):
+            conn.stop()
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=STOP_TIMEOUT)
 
-    # --- one connection ------------------------------------------------------------------
+    # --- one call ---------------------------------------------------------------------
 
-    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)
-        stranger: int | None = None
-        try:
-            credentials = peer_credentials(writer.get_extra_info("socket"))
-            caller = self.admission.authorizer.caller(*credentials)
-            if caller.role is Role.STRANGER:
-                if (self._strangers[caller.uid] >= CONNECTIONS
-                        or sum(self._strangers.values()) >= STRANGER_CONNECTIONS):
-                    self._on_operation("CNICall", str(ErrorKind.BUSY), 0.0)
-                    await self._send(writer, refusal(AgentError(
-                        ErrorKind.BUSY, f"at most {CONNECTIONS} connections at once per uid to "
-                                        "the shim's socket (for callers neither root nor in the "
-                                        "access group)")))
-                    return
-                stranger = caller.uid
-                self._strangers[stranger] += 1
-            try:
-                reply = await self._answer(reader, caller, credentials)
-            except asyncio.CancelledError:  # the agent is stopping (counted as Cancelled)
-                reply = refusal(AgentError(ErrorKind.SHUTTING_DOWN, "cni-agent is shutting down"))
-            await self._send(writer, reply)
-        except Exception:
-            log.exception("the shim's socket: a connection failed")
-        finally:
-            if stranger is not None:
-                self._strangers[stranger] -= 1
-                if not self._strangers[stranger]:
-                    del self._strangers[stranger]
-            writer.transport.abort()  # whatever the state: the descriptor goes now
-            self._tasks.discard(task)
+    def admit_connection(self, caller: Caller) -> bool:
+        """Another connection of `caller`, within a stranger's bounds."""
+        if caller.role is not Role.STRANGER:
+            return True
+        if (self._strangers[caller.uid] >= CONNECTIONS
+                or sum(self._strangers.values()) >= STRANGER_CONNECTIONS):
+            self._on_operation("CNICall", str(ErrorKind.BUSY), 0.0)
+            return False
+        self._strangers[caller.uid] += 1
+        return True
 
-    async def _send(self, writer: asyncio.StreamWriter, reply: bytes) -> None:
-        """The reply, then the connection closed once it is all out (dropped
-        when the client has not taken it within WRITE_TIMEOUT)."""
-        writer.write(reply)
-        with contextlib.suppress(OSError, TimeoutError):
-            async with asyncio.timeout(WRITE_TIMEOUT):
-                writer.close()
-                await writer.wait_closed()
+    def release_connection(self, caller: Caller) -> None:
+        if caller.role is Role.STRANGER:
+            self._strangers[caller.uid] -= 1
+            if not self._strangers[caller.uid]:
+                del self._strangers[caller.uid]
 
-    async def _answer(self, reader: asyncio.StreamReader, caller: Caller,
-                      credentials: Credentials) -> bytes:
-        """The reply to this connection's request, whatever happens."""
+    async def answer(self, caller: Caller, credentials: Credentials,
+                     request: Request | AgentError) -> bytes:
+        """The reply to one request (or to what stood for one), whatever happens."""
         arrived = time.monotonic()
-        result = "Cancelled"
+        result = "Cancelled"  # the agent is stopping, unless set below
         try:
-            request: Request | AgentError
-            try:
-                async with asyncio.timeout(READ_TIMEOUT):
-                    request = await read_request(
-                        reader, MAX_CONFIG if caller.privileged else UNPRIVILEGED_MAX_STDIN)
-            except TimeoutError:
-                request = AgentError(ErrorKind.TIMEOUT, "the request did not arrive whole "
-                                                        f"within {READ_TIMEOUT:g}s")
-            except AgentError as e:
-                request = e
             # A stranger's malformed request counts against its rate too.
             counted = await self._rate(caller)
             if isinstance(request, AgentError):
@@ -303,3 +283,109 @@ class ShimSocket:
             check_cnicall(caller, request.env, request.config_len)
             raise invalid("config", f"larger than {MAX_CONFIG} bytes")
         return sendable(await cnicall(self.shim, caller, request.env, request.config))
+
+
+class _Connection(asyncio.Protocol):
+    """One connection: the request read as it arrives (never blocking the
+    loop), then one task for the call, its reply, and the end."""
+
+    def __init__(self, server: ShimSocket) -> None:
+        self.server = server
+        self.transport: asyncio.Transport | None = None
+        self.caller: Caller | None = None
+        self.credentials: Credentials = (-1, frozenset())
+        self.parser: RequestParser | None = None  # None: not reading (refused, or done)
+        self.timer: asyncio.TimerHandle | None = None
+        self.task: asyncio.Task[None] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        try:
+            self.credentials = peer_credentials(transport.get_extra_info("socket"))
+        except OSError as e:  # not a connection a process made
+            log.warning("the shim's socket: no credentials for a connection: %s", e)
+            transport.abort()
+            return
+        caller = self.server.admission.authorizer.caller(*self.credentials)
+        if not self.server.admit_connection(caller):
+            self._send(refusal(AgentError(
+                ErrorKind.BUSY, f"at most {CONNECTIONS} connections at once per uid to the "
+                                "shim's socket (for callers neither root nor in the access "
+                                "group)")))
+            return
+        self.caller = caller
+        self.server._connections.add(self)
+        self.parser = RequestParser(MAX_CONFIG if caller.privileged else UNPRIVILEGED_MAX_STDIN)
+        self.timer = asyncio.get_running_loop().call_later(
+            READ_TIMEOUT, self._begin, AgentError(
+                ErrorKind.TIMEOUT, f"the request did not arrive whole within {READ_TIMEOUT:g}s"))
+
+    def data_received(self, data: bytes) -> None:
+        if self.parser is None:
+            return  # being answered: what follows is not read
+        try:
+            request = self.parser.feed(data)
+        except AgentError as e:
+            self._begin(e)
+            return
+        if request is not None:
+            self._begin(request)
+
+    def eof_received(self) -> bool:
+        if self.parser is not None:
+            self._begin(self.parser.ended())
+        return True  # the writing side stays open for the answer
+
+    def _begin(self, request: Request | AgentError) -> None:
+        """The request is whole, or stands for one (malformed, too late)."""
+        assert self.transport is not None and self.caller is not None
+        self.parser = None
+        if self.timer is not None:
+            self.timer.cancel()
+        self.transport.pause_reading()
+        self.task = asyncio.get_running_loop().create_task(self._serve(self.caller, request))
+        self.server._tasks.add(self.task)
+        self.task.add_done_callback(self.server._tasks.discard)
+
+    async def _serve(self, caller: Caller, request: Request | AgentError) -> None:
+        try:
+            reply = await self.server.answer(caller, self.credentials, request)
+        except asyncio.CancelledError:  # the agent is stopping (counted as Cancelled)
+            reply = refusal(AgentError(ErrorKind.SHUTTING_DOWN, "cni-agent is shutting down"))
+        self._send(reply)
+
+    def _send(self, reply: bytes) -> None:
+        """The reply, then the end once it is all out; a client that has not
+        taken it within WRITE_TIMEOUT is dropped with it. A client that left
+        meanwhile gets nothing (its call was finished all the same)."""
+        transport = self.transport
+        assert transport is not None
+        if transport.is_closing():
+            return
+        transport.write(reply)
+        if transport.get_write_buffer_size():
+            if self.timer is not None:
+                self.timer.cancel()
+            self.timer = asyncio.get_running_loop().call_later(WRITE_TIMEOUT, transport.abort)
+        transport.close()
+
+    def stop(self) -> None:
+        """The agent is stopping: a call is answered ShuttingDown, and so is a
+        request still arriving."""
+        if self.task is not None:
+            self.task.cancel()
+        elif self.parser is not None:
+            self.parser = None
+            if self.timer is not None:
+                self.timer.cancel()
+            self._send(refusal(AgentError(ErrorKind.SHUTTING_DOWN, "cni-agent is shutting down")))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.parser = None
+        if self.timer is not None:
+            self.timer.cancel()
+        if self.caller is not None:
+            self.server.release_connection(self.caller)
+            self.server._connections.discard(self)
+            self.caller = None
