@@ -190,6 +190,7 @@ def measure(lab: Lab, calls: dict[str, Any], agent_pid: int, rounds: int, warmup
     s: dict[str, list[float]] = {f"{way}.{what}": [] for way in ways
                                  for what in ("pod", "burst", *VERBS)}
     s.update({"agent.cpu_per_call": [], "bus.agent_cpu_per_call": [],
+              **{f"{way}.bus_daemon_cpu_per_call": [] for way in SHIMS},
               **{f"agent.cpu.{v}": [] for v in VERBS}})
     n = 0
     for i in range(warmup + rounds):
@@ -204,12 +205,16 @@ def measure(lab: Lab, calls: dict[str, Any], agent_pid: int, rounds: int, warmup
                 continue
             times: dict[str, float] = {}
             cpu = AgentCPU(agent_pid)
+            bus_daemon = proc_cpu_ns(lab.bus.pid)
             call = cpu.wrap(calls[way].call) if way in SHIMS else calls[way].call
             wall = pod(call, f"bench-{n}", spaces[way], times)
             if i >= warmup:
                 s[f"{way}.pod"].append(wall)
                 for verb in VERBS:
                     s[f"{way}.{verb}"].append(times[verb])
+                if way in SHIMS:  # what the bus daemon spent relaying this pod's calls
+                    s[f"{way}.bus_daemon_cpu_per_call"].append(
+                        (proc_cpu_ns(lab.bus.pid) - bus_daemon) / 1e6 / len(VERBS))
                 if way == "bus":
                     s["bus.agent_cpu_per_call"].append(sum(cpu.per_verb.values()) / len(VERBS))
                 if way == "shim":
@@ -294,6 +299,9 @@ def report(s: dict[str, list[float]], leftover: list[str], plugins: Path, versio
                note=f"{size} pods at once (ADD+CHECK+DEL each); direct "
                     f"{statistics.median(s['direct.burst']):.0f} ms; on the bus "
                     f"{statistics.median(s['bus.burst']):.0f} ms"),
+        figure("cri.crio_pattern.bus_daemon_cpu", s["shim.bus_daemon_cpu_per_call"],
+               note="dbus-daemon's CPU per shim call, on the socket (nothing to relay); on the "
+                    f"bus {statistics.median(s['bus.bus_daemon_cpu_per_call']):.2f} ms"),
         figure("cri.crio_pattern.shim_cpu", s["shim.exec_cpu"],
                ratio=ratio(s["shim.exec_cpu"], s["bus.exec_cpu"]),
                note="the shim process's own CPU per exec (user + system), on the socket; on the "

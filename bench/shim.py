@@ -20,7 +20,7 @@ import subprocess
 from collections.abc import Callable
 from typing import Any
 
-from bench.harness import CallFailed, Client, Lab, conflist, interleave
+from bench.harness import CallFailed, Client, Lab, conflist, interleave, proc_cpu_ns
 from bench.report import figure, ratio, result
 from tests.support.plugins import write_conf
 from tests.support.shim import SHIM
@@ -52,15 +52,22 @@ def run(smoke: bool) -> dict[str, Any]:
                 "CNI_PATH": "/usr/lib/cni"}
         socket = {"shim": str(agent.shim_socket), "bus": str(lab.tmp / "no-agent-here.sock")}
         call_env = {"CNI_CONTAINERID": SID, "CNI_NETNS": ns, "CNI_IFNAME": "eth0"}
-        cpu: dict[str, list[float]] = {name: [] for name in ("shim_pair", "shim_status",
-                                                             "bus_pair", "bus_status")}
+        cpu: dict[str, list[float]] = {name: [] for name in (
+            "shim_pair", "shim_status", "bus_pair", "bus_status",
+            "agent_shim_status", "agent_bus_status", "daemon_shim_status", "daemon_bus_status")}
+        assert agent.proc is not None
+        pid = agent.proc.pid
 
         def shim(command: str, stdin: str, into: str) -> None:
             env = {**base, "CNI_COMMAND": command, **(call_env if command != "STATUS" else {}),
                    "CNI_AGENT_SHIM_SOCKET": socket[into.split("_")[0]]}
-            before = _children_cpu_ms()
+            before, agent_before = _children_cpu_ms(), proc_cpu_ns(pid)
+            daemon_before = proc_cpu_ns(lab.bus.pid)
             out = subprocess.run([str(SHIM)], input=stdin, env=env, capture_output=True, text=True)
             cpu[into].append(_children_cpu_ms() - before)
+            if command == "STATUS":  # the agent's and the bus's side of a call that runs no plugin
+                cpu[f"agent_{into}"].append((proc_cpu_ns(pid) - agent_before) / 1e6)
+                cpu[f"daemon_{into}"].append((proc_cpu_ns(lab.bus.pid) - daemon_before) / 1e6)
             if out.returncode != 0:
                 raise CallFailed(f"shim {command}: {out.stdout} {out.stderr}")
 
@@ -123,6 +130,15 @@ def _report(s: dict[str, list[float]], cpu: dict[str, list[float]]) -> dict[str,
                note="a runtime's STATUS through the shim on the socket, exec to exit"),
         figure("shim.status.bus", s["bus_status"], ratio=ratio(s["shim_status"], s["bus_status"]),
                note="the same on the bus; ratio: socket / bus"),
+        figure("shim.status.agent_cpu", cpu["agent_shim_status"],
+               ratio=ratio(cpu["agent_shim_status"], cpu["agent_bus_status"]),
+               note="the agent's CPU (all threads) while the shim's STATUS runs, on the socket; "
+                    f"on the bus {statistics.median(cpu['agent_bus_status']):.2f} ms (ratio: "
+                    "socket / bus): what each way costs the agent, no plugin run"),
+        figure("shim.status.bus_daemon_cpu", cpu["daemon_bus_status"],
+               note="dbus-daemon's CPU while the shim's STATUS runs on the bus (its Hello, the "
+                    "call, the agent's credentials look-up); on the socket "
+                    f"{statistics.median(cpu['daemon_shim_status']):.2f} ms"),
         figure("shim.status.direct", s["direct_status"], note="the same CNICall from dbus-fast"),
         figure("shim.status.extra", status_extra, note="paired, shim minus direct"),
     ]
