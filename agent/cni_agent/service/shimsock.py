@@ -68,7 +68,7 @@ CONNECTIONS = IN_FLIGHT  # a stranger's at once, per uid
 STRANGER_CONNECTIONS = 256  # all strangers' at once
 STOP_TIMEOUT = 2.0  # for the answers to what is left at close
 _U32 = struct.Struct(">I")
-_PEERCRED = struct.Struct("3i")  # pid, uid, gid
+_PEERCRED = struct.Struct("iII")  # pid, uid, gid (struct ucred)
 _SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux >= 4.13
 _MAX_GROUPS = 65536
 
