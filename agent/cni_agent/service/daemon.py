@@ -234,7 +234,7 @@ class Daemon:
             raise StartupError(f"the bus name {BUS_NAME} is already owned: is another cni-agent running?")
         # The name is ours, so we are the one agent: the shim's socket may be too.
         self.shimsock = ShimSocket(os.path.join(self.cfg.runtime_dir, SOCKET_NAME),
-                                   self.iface.admission, self.core.shim,
+                                   self.iface.callers, self.core.shim,
                                    self.core.metrics.operation)
         try:
             await self.shimsock.start()

@@ -37,8 +37,8 @@ from cni_agent.sandboxes.attach import AttachRequest
 from cni_agent.sandboxes.checks import Outcome
 from cni_agent.sandboxes.manager import DEFAULT_IFNAME, NetworkRequest, SandboxManager, SetupRequest
 from cni_agent.sandboxes.policy import METHODS, Caller, Scope, cnicall_scope
-from cni_agent.service.admission import Admission, InFlight, cnicall, error_of, sendable
 from cni_agent.service.auth import Authorizer
+from cni_agent.service.callers import Callers, InFlight, cnicall, error_of, sendable
 from cni_agent.service.cnicall import ShimCalls, command_of
 from cni_agent.service.gate import Gate, close_all
 from cni_agent.service.limits import StrangerLimits
@@ -194,7 +194,7 @@ class AgentInterface(ServiceInterface):
         self.authorizer = authorizer
         self._reload = reload
         # Who may call, bounds, the drain's count: shared with the shim's socket.
-        self.admission = Admission(authorizer)
+        self.callers = Callers(authorizer)
         # The bus's message handler: descriptors and strangers' rates (gate.py).
         self.gate = Gate(authorizer, self.limits, SIGNATURES, OPTION_KEYS)
         self._collecting: asyncio.TimerHandle | None = None
@@ -203,18 +203,18 @@ class AgentInterface(ServiceInterface):
 
     @property
     def in_flight(self) -> InFlight:
-        return self.admission.in_flight
+        return self.callers.in_flight
 
     @property
     def limits(self) -> StrangerLimits:
-        return self.admission.limits
+        return self.callers.limits
 
     # --- plumbing -------------------------------------------------------------------
 
     async def _serve(self, name: str, work: Callable[[Caller], Awaitable[Any]],
                      scope: Scope | None = None) -> Any:
         """Serve one call: the caller's credentials from the bus, then
-        `Admission.serve` (who, whether, bounds, the drain's count) and
+        `Callers.serve` (who, whether, bounds, the drain's count) and
         `work(caller)`, its failure turned into one of the contract's errors."""
         result = "Cancelled"  # the caller left or we are stopping, unless set below
         # dbus-fast runs the handler as the message is read: this is its arrival.
@@ -223,7 +223,7 @@ class AgentInterface(ServiceInterface):
         scope = METHODS[name] if scope is None else scope
         try:
             credentials = await self.authorizer.credentials(info.sender, name)
-            value = sendable(await self.admission.serve(
+            value = sendable(await self.callers.serve(
                 name, scope, credentials, work, sender=info.sender, counted=info.counted,
                 interactive=info.interactive))
             result = "ok"

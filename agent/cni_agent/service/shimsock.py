@@ -4,7 +4,7 @@ Over D-Bus each exec of cni-agent-shim costs about three round trips through
 the bus daemon (the shim's Hello, the call, the agent's
 GetConnectionCredentials of the new connection) and libsystemd's start-up;
 here it is one connect and one exchange. The call is the D-Bus CNICall's:
-`Admission.serve` (the caller's role from SO_PEERCRED and SO_PEERGROUPS, as
+`Callers.serve` (the caller's role from SO_PEERCRED and SO_PEERGROUPS, as
 the bus daemon reads them; the policy; strangers' bounds, shared with the
 bus; the drain's count) and `cnicall`, and a failure comes back as the same
 error name and message, so the shim turns it into the same CNI error. The
@@ -43,9 +43,10 @@ from dataclasses import dataclass
 
 from cni_agent.api import ERROR_PREFIX, AgentError, ErrorKind
 from cni_agent.sandboxes.policy import Caller, Role, cnicall_scope
-from cni_agent.service.admission import (
+from cni_agent.service.auth import groups_of_user
+from cni_agent.service.callers import (
     UNPRIVILEGED_MAX_STDIN,
-    Admission,
+    Callers,
     Credentials,
     check_cnicall,
     cnicall,
@@ -53,7 +54,6 @@ from cni_agent.service.admission import (
     invalid,
     sendable,
 )
-from cni_agent.service.auth import groups_of_user
 from cni_agent.service.cnicall import MAX_CONFIG, ShimCalls, command_of
 from cni_agent.service.limits import IN_FLIGHT, MAX_TARPIT, TARPIT
 
@@ -163,10 +163,10 @@ class RequestParser:
 
 
 class ShimSocket:
-    def __init__(self, path: str, admission: Admission, shim: ShimCalls,
+    def __init__(self, path: str, callers: Callers, shim: ShimCalls,
                  on_operation: Callable[[str, str, float], None] = lambda m, r, s: None) -> None:
         self.path = path
-        self.admission = admission
+        self.callers = callers
         self.shim = shim
         self._on_operation = on_operation  # as the bus's: ("CNICall", result, seconds)
         self._server: asyncio.AbstractServer | None = None
@@ -214,7 +214,7 @@ class ShimSocket:
         """Stop listening; let the privileged calls that came meanwhile finish (the
         drain waits for those); answer whatever is left ShuttingDown."""
         self.stop_listening()
-        await self.admission.in_flight.wait_idle()
+        await self.callers.in_flight.wait_idle()
         for conn in list(self._connections):
             conn.stop()
         if self._tasks:
@@ -250,7 +250,7 @@ class ShimSocket:
             if isinstance(request, AgentError):
                 raise request
             call = request
-            status, output = await self.admission.serve(
+            status, output = await self.callers.serve(
                 "CNICall", cnicall_scope(command_of(call.env)), credentials,
                 lambda admitted: self._work(admitted, call), counted=counted)
             result = "ok"
@@ -267,7 +267,7 @@ class ShimSocket:
         over it, Busy after the tarpit's delay (at once when too many wait)."""
         if caller.role is not Role.STRANGER:
             return False
-        limits = self.admission.limits
+        limits = self.callers.limits
         if limits.take(caller.uid):
             return True
         if limits.tarpitted < MAX_TARPIT:
@@ -307,7 +307,7 @@ class _Connection(asyncio.Protocol):
             log.warning("the shim's socket: no credentials for a connection: %s", e)
             transport.abort()
             return
-        caller = self.server.admission.authorizer.caller(*self.credentials)
+        caller = self.server.callers.authorizer.caller(*self.credentials)
         if not self.server.admit_connection(caller):
             self._send(refusal(AgentError(
                 ErrorKind.BUSY, f"at most {CONNECTIONS} connections at once per uid to the "

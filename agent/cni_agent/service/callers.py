@@ -1,5 +1,7 @@
-"""Admission: the one path a call takes into the agent, whichever transport
-carried it (the system bus, or the shim's own socket, `shimsock`).
+"""Who calls, whether it may, within which bounds: the one path a call takes
+into the agent, whichever transport carried it (the system bus, or the shim's
+own socket, `shimsock`). Not `sandboxes.admission`, which counts what a
+caller holds once it is in.
 
 From the caller's credentials (uid and groups: the bus's for a D-Bus call,
 SO_PEERCRED and SO_PEERGROUPS for the shim's socket) to its role (root, a
@@ -112,7 +114,7 @@ def sendable(value: T) -> T:
     return value
 
 
-class Admission:
+class Callers:
     def __init__(self, authorizer: Authorizer) -> None:
         self.authorizer = authorizer
         self.limits = StrangerLimits()
