@@ -63,7 +63,7 @@ def pods(tmp_path: Path, control: Control, bridge: str, *, bridge_ips: bool = Fa
                                                     "dataDir": str(tmp_path / "ipam")}}
     if bridge_ips:
         br["capabilities"] = {"ips": True}
-    tail = plug(control, **({"capabilities": {"ips": True}} if plugin_ips else {}))
+    tail = plug(control, "testplug", **({"capabilities": {"ips": True}} if plugin_ips else {}))
     write_conf(tmp_path / "net.d", "10-pods.conflist", conflist("pods", [br, tail], "1.0.0"))
 
 
@@ -74,15 +74,23 @@ def start(make_agent: Callable[..., Agent], tmp_path: Path, **check: Any) -> Age
                       timeouts={"ready": 2, "lock": 5, "check": 1})
 
 
-def state(agent: Agent, sid: str) -> str:
-    """Show's check state; "" while a repair runs (between its DEL and its ADD
-    the sandbox has no cached attachment to show, as during a Setup)."""
+def attachment(agent: Agent, sid: str) -> dict[str, Any]:
+    """Show's attachment; {} while a repair (or a lost one's retry) runs:
+    between its DEL and its ADD the sandbox has no cached attachment to show,
+    as during a Setup."""
     out = agent.busctl("--json=short", "call", "org.cniagent.Agent1", "/org/cniagent/Agent1",
                        "org.cniagent.Agent1", "Show", "s", sid, check=False)
     if out.returncode != 0:
-        return ""
-    doc = json.loads(json.loads(out.stdout)["data"][0])
-    return str(doc["attachments"][0]["check"]["state"])
+        return {}
+    return dict(json.loads(json.loads(out.stdout)["data"][0])["attachments"][0])
+
+
+def checked(agent: Agent, sid: str) -> dict[str, Any]:
+    return dict(attachment(agent, sid).get("check") or {})
+
+
+def state(agent: Agent, sid: str) -> str:
+    return str(checked(agent, sid).get("state", ""))
 
 
 def changes(signals: Monitor) -> list[str]:
@@ -205,11 +213,14 @@ def test_a_repair_that_gives_another_address_is_never_ok(
     assert f"repaired with a new address (the address changed: {before} → {after})" in shown
 
 
-def lose(agent: Agent, control: Control) -> None:
-    """Drift once, and make the repair's re-ADD fail: the attachment is lost."""
+def lose(agent: Agent, control: Control) -> dict[str, Any]:
+    """Drift once, and make the repair's re-ADD fail: the attachment is lost.
+    Show's attachment then (its retries, every second or more, each make Show
+    answer NotFound for a moment: reads of Show wait for one that answers)."""
     control.set("ADD", "fail", code=11, msg="no room right now", only=["testplug"])
     control.set("CHECK", "fail", code=100, msg="rule gone", once=True, only=["testplug"])
-    wait_for(lambda: state(agent, "web") == "lost", timeout=10)
+    return dict(wait_for(lambda: (a := attachment(agent, "web")).get("check", {}).get("state")
+                         == "lost" and a, timeout=10))
 
 
 def test_a_failed_repair_is_kept_lost_and_retried_until_it_succeeds_across_a_restart(
@@ -221,11 +232,10 @@ def test_a_failed_repair_is_kept_lost_and_retried_until_it_succeeds_across_a_res
     agent.setup("web", netns)
     [ip] = addresses(netns)
     wait_for(lambda: state(agent, "web") == "ok", timeout=5)
-    lose(agent, control)
+    lost = lose(agent, control)
 
-    attachment = show(agent, "web")
-    check = attachment["check"]
-    assert attachment["result"] == {} and check["attempts"] >= 1 and check["next_try"]
+    check = lost["check"]
+    assert lost["result"] == {} and check["attempts"] >= 1 and check["next_try"]
     assert "no room right now" in check["reason"] and check["lost_since"]
     assert not link_exists("eth0", netns)  # the repair's DEL, and the failed ADD rolled back
     assert allocations(tmp_path / "ipam", "pods") == []
@@ -235,9 +245,9 @@ def test_a_failed_repair_is_kept_lost_and_retried_until_it_succeeds_across_a_res
                for x in agent.log().splitlines()), agent.log()[-3000:]
     assert any("'lost', 'plugin testplug ADD failed (code 11): no room right now'" in x
                for x in changes(signals)), changes(signals)
-    shown = cli(agent, "show", "web").stdout
-    assert "pods  eth0  -  lost (removed by a repair whose ADD failed" in shown, shown
-    assert cli(agent, "check", "web").returncode == 1
+    wait_for(lambda: "pods  eth0  -  lost (removed by a repair whose ADD failed" in
+             cli(agent, "show", "web").stdout, timeout=10)
+    assert cli(agent, "check", "web").returncode == 1  # (CheckSandboxes waits for the lock)
     out = agent.gdbus("Check", "web", netns, "{}")
     assert ERR + "PluginFailed" in out.stderr and "pods/eth0 is lost" in out.stderr
 
@@ -247,8 +257,10 @@ def test_a_failed_repair_is_kept_lost_and_retried_until_it_succeeds_across_a_res
     agent.stop()
     agent.start()  # the record keeps it lost, with its count and next try
     assert agent.call("WaitReady", "d", "10")[0] is True
-    check = check_of(agent)
-    assert check["state"] == "lost" and check["attempts"] >= 2, check
+    # (Its next try may be due at once: while an ADD runs, Show has nothing to show.)
+    check = wait_for(lambda: (c := checked(agent, "web")).get("state") == "lost" and c,
+                     timeout=10)
+    assert check["attempts"] >= 2, check
     control.clear("ADD")  # the cause goes away
 
     wait_for(lambda: state(agent, "web") == "ok", timeout=30)

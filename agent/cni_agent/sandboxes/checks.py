@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from cni_agent.cni.cache import CachedAttachment
-from cni_agent.cni.errors import CNIError, PluginError
+from cni_agent.cni.errors import CacheError, CNIError, PluginError
 from cni_agent.cni.logctx import log_fields
 from cni_agent.node.netns import Pinned
 from cni_agent.sandboxes.journal import Entries, Journal
@@ -176,7 +176,10 @@ class Checks:
         return outcomes
 
     async def _one(self, rec: SandboxRecord, att: Attachment, entry: CachedAttachment,
-                   ns: Pinned, stop: asyncio.Event | None = None) -> tuple[Outcome, SandboxRecord]:
+                   ns: Pinned, stop: asyncio.Event | None = None, baseline: bool = False
+                   ) -> tuple[Outcome, SandboxRecord]:
+        """One CHECK, judged, recorded and announced. `baseline`: the CHECK
+        right after a repair's ADD, whose state before is no real one."""
         error: Exception | None = None
         ran = True
         try:
@@ -213,8 +216,8 @@ class Checks:
             await self.journal.save(rec)
             self._log_change(rec.sandbox_id, att, before, state, drifted)
         outcome = Outcome(rec.sandbox_id, att.network, att.ifname, verdict, reason, drifted,
-                          changed=before is not None and before.verdict is not verdict,
-                          error=error)
+                          changed=not baseline and before is not None
+                          and before.verdict is not verdict, error=error)
         return self._announce(outcome), rec
 
     @staticmethod
@@ -277,13 +280,13 @@ class Checks:
             return replace(current, phase=Phase.READY, lost=Lost(
                 now, str(e), 1, now + self.retry_delay(1), tuple(ips), mac),
                 check=replace(prior, verdict=CheckVerdict.LOST, at=now, reason=str(e),
-                              repair=f"failed: its re-ADD failed: {e}"))
+                              repair=f"failed: {e}"))
 
         rec, result = await self.journal.recreate(rec, current, entry, ns, caps, lost)
         if isinstance(result, CNIError):
-            log.error("sandbox %s: repair of %s/%s failed: its re-ADD failed, so the attachment "
-                      "is lost: kept in the record and retried in %gs: %s", rec.sandbox_id,
-                      att.network, att.ifname, self.retry_delay(1), result)
+            log.error("sandbox %s: repair of %s/%s failed, so the attachment is lost: kept in "
+                      "the record and retried in %gs: %s", rec.sandbox_id, att.network,
+                      att.ifname, self.retry_delay(1), result)
             self.on_lost()
             return self._announce(replace(drift, verdict=CheckVerdict.LOST, reason=str(result),
                                           repair="failed", changed=True, drifted=False)), rec
@@ -295,7 +298,6 @@ class Checks:
         for the addresses it had; the caller holds the sandbox's lock."""
         assert att.lost is not None
         was = att.lost
-        caps, _ = self._keep(att, was.ips, was.mac)  # lost already: whatever address it gets
         now = time.time()
         attempts = was.attempts + 1
 
@@ -307,7 +309,17 @@ class Checks:
                            check=replace(prior, verdict=CheckVerdict.LOST, at=now, reason=str(e)))
 
         with log_fields(SANDBOX_ID=rec.sandbox_id, NETWORK=att.network, IFNAME=att.ifname):
-            rec, result = await self.journal.recreate(rec, att, None, ns, caps, still_lost)
+            try:
+                # Lost already: whatever address it gets (asking for the old one).
+                caps, _ = self._keep(att, was.ips, was.mac)
+                rec, result = await self.journal.recreate(rec, att, None, ns, caps, still_lost)
+            except CacheError:
+                raise  # the disk: the attachment reads "deleting", reaping finishes it
+            except CNIError as e:  # no usable config: nothing changed; the same backoff
+                rec = rec.with_attachments(still_lost(e) if a.ifname == att.ifname else a
+                                           for a in rec.attachments)
+                await self.journal.save(rec)
+                result = e
             if isinstance(result, CNIError):
                 log.warning("sandbox %s: %s/%s is still lost: ADD %d failed: %s; next try in %gs",
                             rec.sandbox_id, att.network, att.ifname, attempts, result,
@@ -337,7 +349,8 @@ class Checks:
         rec = rec.with_check(was.ifname, CheckState(CheckVerdict.UNSUPPORTED, time.time(),
                                                     repairs=repairs))
         # Its new baseline: the CHECK right after the new ADD.
-        outcome, rec = await self._one(rec, rec.attachment(was.ifname) or fresh, new_entry, ns)
+        outcome, rec = await self._one(rec, rec.attachment(was.ifname) or fresh, new_entry, ns,
+                                       baseline=True)
         if moved:
             note = f"the address changed: {change}"
             checked = rec.attachment(was.ifname)

@@ -228,14 +228,13 @@ class DriftPasses:
         """One round: retry the lost attachments whose time has come; when the
         next one is due (epoch seconds), None when none is lost."""
         due, soonest = await self._lost_schedule()
-        for sid in due:
-            await self._retry_sandbox(sid)
+        later = [await self._retry_sandbox(sid) for sid in due]
         if not due:
             return soonest
         # Their next tries, as the retries recorded them; one still due was not
-        # looked at (busy, or its namespace did not answer): in a second.
+        # looked at (busy: in a second; it failed: after the first backoff).
         again, soonest = await self._lost_schedule()
-        return time.time() + 1 if again else soonest
+        return time.time() + min(later) if again else soonest
 
     async def _lost_schedule(self) -> tuple[list[str], float | None]:
         """The sandboxes with a lost attachment due now, and when the next one
@@ -254,33 +253,34 @@ class DriftPasses:
                     later.append(a.lost.next_try)
         return sorted(due), min(later, default=None)
 
-    async def _retry_sandbox(self, sid: str) -> bool:
+    async def _retry_sandbox(self, sid: str) -> float:
         """Retry the due lost attachments of one sandbox, if its lock is free
-        (a request on it goes first); whether it was looked at."""
+        (a request on it goes first); when to look again if they are still due."""
         m = self.manager
         try:
             with m.order.arrive(sid, Kind.BACKGROUND) as ticket:
                 if ticket.superseded.is_set() or m.locks.busy(sid):
-                    return False
+                    return 1.0
                 async with m.locks.hold(sid, 0):
                     rec, entries = await m.journal.view(sid)
                     if rec is None or rec.phase is not Phase.READY:
-                        return True  # torn down (or being): nothing to retry
+                        return 1.0  # torn down (or being): nothing to retry
                     async with m.journal.live_netns(rec, entries) as ns:
                         if ns is None:
-                            return True  # its namespace is gone: the reaper's
+                            return 1.0  # its namespace is gone: the reaper's
                         now = time.time()
                         for att in rec.attachments:
                             current = rec.attachment(att.ifname)
                             if current is not None and current.lost is not None and \
                                     current.lost.next_try <= now:
                                 _, rec = await m.checks.retry_lost(rec, current, ns)
-            return True
+            return 1.0
         except LockTimeout:
-            return False
+            return 1.0
         except (*UNANSWERED, AgentError, CNIError) as e:
-            log.warning("lost attachments of sandbox %s not retried now: %s", sid, e)
-            return False
+            log.warning("lost attachments of sandbox %s not retried now (again in %gs): %s",
+                        sid, m.checks.retry_base, e)
+            return m.checks.retry_base
 
     async def _sandbox(self, sid: str, report: PassReport, *, wait: float, background: bool,
                        unchecked_only: bool = False) -> None:

@@ -347,17 +347,24 @@ class Journal:
         args and `capabilities`. The record, and the new result or the ADD's error.
 
         Each step goes through the write-ahead record, so a crash anywhere
-        leaves nothing a restart does not finish or undo. CNIError when the DEL
-        fails (the attachment stays, "deleting", for the next reaping pass).
-        When the ADD fails it is rolled back (DEL) and the attachment stays in
-        the record as `lost(error)`: ready, with no cache entry, to be retried."""
+        leaves nothing a restart does not finish or undo. When the DEL fails,
+        or the ADD does (rolled back: DEL), the attachment stays in the record
+        as `lost(error)`: ready, with no cache entry, to be retried (DEL first).
+        CacheError when the disk does not take the DEL's record: the attachment
+        reads "deleting" and the next reaping pass finishes its removal."""
         net = self._config_for(att, entry)
         index = rec.attachments.index(att)
         removal = await self.remove(rec, [att.ifname], ns,
                                     {(att.network, att.ifname): entry} if entry else {})
-        if removal.errors or removal.unrecorded:
-            raise CNIError("DEL before the new ADD failed: "
-                           + (removal.errors[0] if removal.errors else removal.unrecorded))
+        if removal.unrecorded:
+            raise CacheError(f"DEL before the new ADD: {removal.unrecorded}")
+        if removal.errors:  # still in the record, "deleting": lost instead, retried
+            failed = CNIError(f"DEL before the new ADD failed: {removal.errors[0]}")
+            base = removal.left or rec
+            kept = base.with_attachments(lost(failed) if a.ifname == att.ifname else a
+                                         for a in base.attachments)
+            await self._save(kept)
+            return kept, failed
         left = removal.left
         others = list(left.attachments) if left else []
         # The record keeps the caller's capabilities (a runtime's repeat ADD is
