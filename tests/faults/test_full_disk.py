@@ -162,15 +162,20 @@ def test_a_teardown_on_a_read_only_state_dir_releases_the_network_and_says_what_
     netns_factory: Callable[[], str], tmp_path: Path,
 ) -> None:
     agent = start(make_agent)
-    web, ctr = netns_factory(), netns_factory()
+    web, ctr, dead = netns_factory(), netns_factory(), netns_factory()
     agent.setup("web", web)
+    agent.setup("dead", dead)
     # A runtime's pod through the shim: its DEL is answered in CNI's words.
     conf = shim_conf("runtime-net", "pods")
     added = run_shim(agent.bus.address, "ADD", conf, cid="ctr", netns=ctr)
     assert added.rc == 0, added
-    assert len(allocations(tmp_path / "ipam", "pods")) == 2
+    assert len(allocations(tmp_path / "ipam", "pods")) == 3
     read_only(state_tmpfs)
     try:
+        # A namespace deleted while nobody calls: the reaping pass (every
+        # second) DELs its attachment though it can record nothing.
+        subprocess.run(["ip", "netns", "del", netns_name(dead)], check=True)
+        wait_for(lambda: len(allocations(tmp_path / "ipam", "pods")) == 2, timeout=10)
         out = agent.gdbus("Teardown", "web", web, "{}")
         assert out.returncode != 0 and ERR + "StateError" in out.stderr, out.stderr
         assert "PluginFailed" not in out.stderr
@@ -187,10 +192,10 @@ def test_a_teardown_on_a_read_only_state_dir_releases_the_network_and_says_what_
         assert allocations(tmp_path / "ipam", "pods") == []
         # Until the disk allows, both are shown being torn down, not ready.
         assert json.loads(agent.call("Show", "s", "web")[0])["state"] == "tearing-down"
-        assert records(state_tmpfs) == ["ctr.json", "web.json"]
+        assert records(state_tmpfs) == ["ctr.json", "dead.json", "web.json"]
     finally:
         subprocess.run(["umount", str(state_tmpfs)], check=True)  # the bind mount: writable again
-    # The next reaping pass finishes both (their DEL again is harmless).
+    # The next reaping pass finishes all three (their DEL again is harmless).
     wait_for(lambda: records(state_tmpfs) == [] and entries(state_tmpfs) == [], timeout=10)
     assert agent.call("ListSandboxes")[0] == []
     out = agent.gdbus("Show", "web")
