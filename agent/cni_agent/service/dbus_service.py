@@ -61,7 +61,8 @@ SIGNATURES = {
     "CheckSandboxes": "as", "ResetPodCIDRs": "",
 }
 # dbus-fast gives a signal's arguments no names; the contract's XML has them.
-SIGNAL_ARGS = {"AttachmentDrifted": ("sandbox_id", "network", "ifname", "reason")}
+SIGNAL_ARGS = {"AttachmentDrifted": ("sandbox_id", "network", "ifname", "reason"),
+               "AttachmentCheckChanged": ("sandbox_id", "network", "ifname", "state", "reason")}
 # Attach takes Setup's options but one network: `networks` and `pod` are Setup's.
 ATTACH_OPTIONS = ("args", "capabilities", "netns_fd")
 
@@ -296,20 +297,32 @@ class AgentInterface(ServiceInterface):
             log.info("PropertiesChanged not sent, the bus connection is gone: %s", e)
 
     def on_check(self, outcome: Outcome) -> None:
-        """Checks listener: AttachmentDrifted on each pass → fail transition."""
-        if not outcome.drifted or outcome.repair:
-            return
+        """Checks listener: AttachmentDrifted on each pass → fail transition of
+        the plugin's own CHECK (drift only, as since revision 2), and
+        AttachmentCheckChanged on every change of an attachment's check state
+        after its baseline and every repair's outcome."""
+        reason = wire_text(outcome.reason)
         try:
-            self.AttachmentDrifted(outcome.sandbox_id, outcome.network, outcome.ifname,
-                                   wire_text(outcome.reason))
+            if outcome.drifted and not outcome.repair:
+                self.AttachmentDrifted(outcome.sandbox_id, outcome.network, outcome.ifname,
+                                       reason)
+            if outcome.changed or outcome.repair:
+                self.AttachmentCheckChanged(outcome.sandbox_id, outcome.network, outcome.ifname,
+                                            str(outcome.verdict), reason)
         except Exception as e:  # as for PropertiesChanged: the connection is gone
-            log.info("AttachmentDrifted not sent, the bus connection is gone: %s", e)
+            log.info("check signal not sent, the bus connection is gone: %s", e)
 
     @signal()
     @signature("s", "s", "s", "s", returns="ssss")
     def AttachmentDrifted(self, sandbox_id: str, network: str, ifname: str,
                           reason: str) -> list[str]:
         return [sandbox_id, network, ifname, reason]
+
+    @signal()
+    @signature("s", "s", "s", "s", "s", returns="sssss")
+    def AttachmentCheckChanged(self, sandbox_id: str, network: str, ifname: str, state: str,
+                               reason: str) -> list[str]:
+        return [sandbox_id, network, ifname, state, reason]
 
     # --- properties -------------------------------------------------------------------
 
