@@ -1,5 +1,8 @@
-"""The man pages build without a warning, render without one, and name
-everything there is: every CLI command and option, config key and D-Bus member.
+"""The man pages build without a warning, render without one, name
+everything there is (every CLI command and option, config key and D-Bus
+member), and say the same as docs/: every key with the same default as
+docs/configuration.md and the code, the same commands and exit statuses as
+docs/cli.md, the same members and errors as docs/dbus-api.md.
 
 Built with the distribution's docutils (tools/build-man), as the packages do.
 """
@@ -16,10 +19,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from cni_agent.api import ErrorKind
+from cni_agent.cli import exits
 from cni_agent.cli.commands import build_parser
 from cni_agent.config import AgentConfig
+from tests.support.docs import code_spans, section, tables
 
 REPO = Path(__file__).resolve().parents[2]
 MAN = REPO / "docs" / "man"
@@ -136,3 +142,87 @@ def test_the_bash_completion_completes_in_a_real_bash() -> None:
     assert complete("cni-agent", "sandbox", "") == ["up", "down", "--help"]
     assert complete("cni-agent", "shim-config", "--runtime", "c") == ["containerd", "crio"]
     assert complete("cni-agent", "sandbox", "up", "web", "--d") == ["--dir"]
+
+
+# --- the man pages say the same as docs/ --------------------------------------------------
+
+DOCS = REPO / "docs"
+
+
+def man_defaults() -> dict[str, object]:
+    """cni-agent.yaml(5)'s keys and defaults: ``key`` (default ``VALUE``)."""
+    found = re.findall(r"^``([\w.]+)`` \(default ``(.*?)``", source("cni-agent.yaml.5"), re.M)
+    return {key: yaml.safe_load(value) for key, value in found}
+
+
+def docs_defaults() -> dict[str, object]:
+    """docs/configuration.md's table of keys: `key` | `default` | what."""
+    page = section((DOCS / "configuration.md").read_text(), "Keys")
+    table = next(t for t in tables(page) if t.header[:2] == ("key", "default"))
+    return {code_spans(k)[0]: yaml.safe_load(code_spans(d)[0]) for k, d, _ in table.rows}
+
+
+def code_defaults(obj: object = None, prefix: str = "") -> dict[str, object]:
+    obj = AgentConfig() if obj is None else obj
+    out: dict[str, object] = {}
+    for f in dataclasses.fields(obj):  # type: ignore[arg-type]
+        if f.name in ("source", "sources", "origins"):
+            continue
+        key, value = prefix + ("del" if f.name == "delete" else f.name), getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            out.update(code_defaults(value, key + "."))
+        else:
+            out[key] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def test_every_key_of_cni_agent_yaml_5_is_in_the_docs_with_the_same_default() -> None:
+    man, docs, code = man_defaults(), docs_defaults(), code_defaults()
+    assert man == code, "cni-agent.yaml(5)'s keys and defaults are not the code's"
+    assert docs == man, "docs/configuration.md's keys and defaults are not cni-agent.yaml(5)'s"
+
+
+GROUPS = ("config", "sandbox")  # commands of commands: their own are what is described
+
+
+def man_commands() -> set[str]:
+    """The commands cni-agent(8) describes: each entry of COMMANDS, **name** …"""
+    body = source("cni-agent.8").split("COMMANDS\n========", 1)[1].split("OPTIONS\n=======")[0]
+    return {n for n in re.findall(r"^\*\*([a-z][a-z -]*)\*\*", body, re.M) if n not in GROUPS}
+
+
+def docs_commands() -> set[str]:
+    """The commands docs/cli.md's table describes: `cni-agent NAME …`."""
+    page = (DOCS / "cli.md").read_text()
+    out = set()
+    for row in next(t for t in tables(page) if t.header == ("command", "does")).column("command"):
+        words = code_spans(row)[0].split()[1:]
+        if not words[0].startswith("-"):
+            out.add(" ".join(words[:2]) if words[0] in GROUPS else words[0])
+    return out
+
+
+def man_exit_statuses() -> set[int]:
+    body = source("cni-agent.8").split("EXIT STATUS\n===========", 1)[1].split("ENVIRONMENT")[0]
+    return {int(s) for s in re.findall(r"^\*\*(\d+)\*\*$", body, re.M)}
+
+
+def test_cni_agent_8_and_docs_cli_md_describe_the_same_commands_and_exit_statuses() -> None:
+    parser = {name for name, _ in commands(build_parser()) if name not in GROUPS}
+    assert man_commands() == docs_commands() == parser
+    cli = (DOCS / "cli.md").read_text()
+    table = next(tables(section(cli, "Exit status")))
+    constants = {v for k, v in vars(exits).items() if k.startswith("EXIT_")}
+    assert man_exit_statuses() == {int(s) for s in table.column("status")} == constants
+
+
+def test_org_cniagent_agent1_5_and_docs_dbus_api_md_name_the_same_members() -> None:
+    man = source("org.cniagent.Agent1.5")
+    page = (DOCS / "dbus-api.md").read_text()
+    in_man = set(re.findall(r"^\*\*(\w+)\*\* \(", man, re.M))
+    in_docs = set(re.findall(r"^### `(\w+)\(", page, re.M))
+    in_docs |= {code_spans(r[0])[0] for r in next(tables(section(page, "Properties"))).rows}
+    assert in_man == in_docs
+    man_errors = {m for m in re.findall(r"^\*\*(\w+)\*\*$", man, re.M)}
+    docs_errors = {code_spans(c)[0] for c in next(tables(section(page, "Errors"))).column("error")}
+    assert man_errors == docs_errors == {k.value for k in ErrorKind}
