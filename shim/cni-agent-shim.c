@@ -55,11 +55,12 @@
 #define LIBSYSTEMD "libsystemd.so.0"
 /* The agent bounds every verb itself, and the runtime bounds the shim; this is
  * a backstop for callers that do not (podman, cnitool) against an agent that
- * never answers. Derived from the agent's default timeouts (README,
- * "Timeouts"): an ADD, the longest call, waits for readiness (timeouts.ready,
- * 30 s) and for recovery and the lock (timeouts.lock, 60 s), runs its chain
- * (timeouts.add, 120 s for the whole chain) and, if that fails, the rollback
- * (timeouts.del, 60 s): 270 s, + 30 s margin. When it fires, the agent still
+ * never answers. Derived from the agent's default timeouts
+ * (docs/configuration.md, "Timeouts"): an ADD, the longest call, waits for
+ * readiness (timeouts.ready, 30 s) and for recovery and the lock
+ * (timeouts.lock, 60 s), runs its chain (timeouts.add, 120 s for the whole
+ * chain) and, if that fails, the rollback (timeouts.del, 60 s): 270 s, + 30 s
+ * margin. When it fires, the agent still
  * finishes or rolls back the ADD, as when a runtime kills the shim, and the
  * runtime's DEL removes what is left. */
 #define CALL_TIMEOUT_SEC 300ULL

@@ -89,7 +89,7 @@ class Node:
     def start(self, runtime: bool = True) -> None:
         self.agent.start()
         assert self.agent.call("WaitReady", "d", "10")[0] is True, self.agent.log()
-        # The file a user would write, by the README's recipe.
+        # The file a user would write, by docs/runtimes.md's recipe.
         (self.runtime.conf_dir / f"10-{self.pod_network}.conflist").write_text(self.shim_conflist())
         if runtime:
             self.start_runtime()

@@ -18,7 +18,7 @@ from tests.support.hung import HungMount
 pytestmark = pytest.mark.root
 INVALID = "org.cniagent.Agent1.Error.InvalidArgument"
 BUSY = "org.cniagent.Agent1.Error.Busy"
-DEFAULT_THREADS, DEFAULT_TIMEOUT = 4, 5.0  # as README says (node/blocking.py's defaults)
+DEFAULT_THREADS, DEFAULT_TIMEOUT = 4, 5.0  # as docs/reliability.md says (node/blocking.py's defaults)
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ from tests.support.plugins import wait_for
 
 pytestmark = pytest.mark.root
 ERR = "org.cniagent.Agent1.Error."
-PATIENCE = 30  # seconds; each answer takes well under 1 s (README, "Reliability")
+PATIENCE = 30  # seconds; each answer takes well under 1 s (docs/reliability.md)
 
 
 def alias_bomb(levels: int = 7) -> str:

@@ -1,6 +1,6 @@
 """The stop timeout and the shim's backstop follow from the agent's default timeouts.
 
-timeouts.add/del/check bound a whole chain (README, "Timeouts"), so what a
+timeouts.add/del/check bound a whole chain (docs/configuration.md, "Timeouts"), so what a
 stop or a shim call may have to wait for is a sum of a few of them. These
 sums are written into the unit and the shim by hand; this keeps them honest.
 """

@@ -398,7 +398,7 @@ def power_loss(kills: int, sandboxes: int = 12, seed: int = 4) -> Report:
             # Any cache entry; a record only when its sandbox has a cache entry
             # too. A record zeroed while its first ADD was in flight (no cache
             # entry yet) leaves nothing on disk that names the network, and the
-            # agent does not guess (README, "Damaged state never blocks"); our
+            # agent does not guess (docs/reliability.md, "Damaged state never blocks"); our
             # own writes are durable, so only outside damage can do that.
             results = sorted((state / "results").glob("*"))
             cached = {p.name.split("-")[1] for p in results}

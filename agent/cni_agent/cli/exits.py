@@ -1,4 +1,4 @@
-"""The CLI's exit statuses: one meaning each, the same for every command (README,
+"""The CLI's exit statuses: one meaning each, the same for every command (docs/cli.md,
 "Exit status"), so scripts can tell what happened without reading stderr."""
 
 from __future__ import annotations
