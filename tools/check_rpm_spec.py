@@ -265,7 +265,9 @@ def check_parsed(parsed: str, fedora: int, deb: Path | None) -> list[str]:
             continue
         if path.startswith(DOC_DIR):
             doc = path[len(DOC_DIR):].removesuffix(".gz")
-            if "doc" not in entries.get(doc, set()):
+            # %doc docs/x.md installs x.md in the doc dir, as dh_installdocs does.
+            docs = {Path(p).name for p, directives in entries.items() if "doc" in directives}
+            if doc not in docs:
                 problems.append(f"{where}: %files lacks %doc {doc} (the DEB installs {path})")
             continue
         target = rpm_path(path)

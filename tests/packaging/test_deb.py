@@ -47,6 +47,9 @@ EXPECTED = [
     "/usr/share/polkit-1/rules.d/50-org.cniagent.Agent1.rules",
     "/usr/share/cni-agent/monitoring/cni-agent-alerts.yml",  # the fleet view
     "/usr/share/cni-agent/monitoring/cni-agent-dashboard.json",
+    # Uncompressed: the units' Documentation= names README.md, which links the pages.
+    "/usr/share/doc/cni-agent/README.md",
+    "/usr/share/doc/cni-agent/troubleshooting.md",
 ]
 
 

@@ -116,6 +116,15 @@ def test_pages_cite_the_tests_that_prove_each_guarantee() -> None:
             assert re.search(r"tests/|make ", proof), f"{page}: {claim!r} names no test"
 
 
+def test_both_packages_install_every_page() -> None:
+    # Next to the README they link to by name; check-rpm-spec holds the RPM's
+    # %doc to the Debian list, test_deb.py the built package to its place.
+    listed = (REPO / "packaging" / "debian" / "cni-agent.docs").read_text().split()
+    assert listed == ["README.md", *(str(p.relative_to(REPO)) for p in pages())]
+    spec = (REPO / "packaging" / "rpm" / "cni-agent.spec").read_text()
+    assert re.findall(r"^%doc (\S+)$", spec, re.M) == listed
+
+
 # --- the D-Bus reference against the XML -------------------------------------------
 
 
