@@ -104,8 +104,9 @@ def test_every_test_a_page_cites_exists(doc: Path) -> None:
         source = REPO / path
         assert source.is_file(), f"{doc.name} cites {path}, which does not exist"
         if name:
-            assert re.search(rf"^(async )?def {name}\(", source.read_text(), re.M), \
-                f"{doc.name} cites {path}::{name}, which does not exist"
+            m = re.search(rf"^(@.*\n)*(async )?def {name}\(", source.read_text(), re.M)
+            assert m is not None and "fixture" not in m.group(0), \
+                f"{doc.name} cites {path}::{name}, which is no test"
 
 
 def test_pages_cite_the_tests_that_prove_each_guarantee() -> None:

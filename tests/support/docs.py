@@ -128,7 +128,8 @@ def _python_texts(path: Path) -> Iterator[str]:
             docstrings.add(id(node.body[0].value))
     for node in ast.walk(tree):
         if isinstance(node, ast.JoinedStr):
-            yield "".join(v.value if isinstance(v, ast.Constant) else HOLE for v in node.values)
+            yield "".join(str(v.value) if isinstance(v, ast.Constant) else HOLE
+                          for v in node.values)
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) \
                 and id(node) not in docstrings:
             yield _PERCENT.sub(HOLE, node.value)
