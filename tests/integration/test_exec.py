@@ -236,14 +236,15 @@ async def test_cancelled_execution_kills_the_group(plugin_dir: Path, control: Co
 
 async def test_output_larger_than_a_pipe_is_read_whole(tmp_path: Path) -> None:
     """A plugin blocked writing more than a pipe holds never exits on its own:
-    its pipes are watched once it runs longer than a fast plugin would."""
-    binary = _script(tmp_path, "big", "head -c 300000 /dev/zero | tr '\\0' x\n"
-                                      "head -c 200000 /dev/zero | tr '\\0' y >&2\n")
-    executor = ProcessExecutor(max_stdout=1_000_000, max_stderr=1_000_000)
+    its pipes are watched once it runs longer than a fast plugin would. More
+    than the 1 MiB they are enlarged to, on both."""
+    binary = _script(tmp_path, "big", "head -c 3000000 /dev/zero | tr '\\0' x\n"
+                                      "head -c 1500000 /dev/zero | tr '\\0' y >&2\n")
+    executor = ProcessExecutor(max_stdout=4_000_000, max_stderr=2_000_000)
     child = await executor._spawn("big", binary, ADD, b"{}")
     await asyncio.wait_for(child.finished(), 10)
-    assert child.stdout == b"x" * 300_000
-    assert child.stderr == b"y" * 200_000
+    assert child.stdout == b"x" * 3_000_000
+    assert child.stderr == b"y" * 1_500_000
     assert await child.reap() == 0
 
 
