@@ -8,8 +8,8 @@ both alike. A unit is, with `--pattern crio`, one pod as CRI-O runs it through t
 shim (ADD, CHECK, DEL: bench/crio_pattern.py, bridge + host-local + portmap), or,
 with `--pattern pair`, one Setup+Teardown over dbus-fast of 3 no-op plugins
 (bench/overhead.py's). Printed per agent: the agent's own CPU per shim call (or per
-pair; all its threads, schedstat) and the unit's wall time, as median (p25–p75), and
-the median of the paired per-round differences (new − base).
+pair; all its threads, schedstat) and the unit's wall time, as median (p25-p75), and
+the median of the paired per-round differences (new - base).
 
 A development tool, not one of `make bench`'s: it compares code, not the agent
 with its baselines.
@@ -23,6 +23,7 @@ import json
 import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -110,7 +111,6 @@ def _setup(lab: Lab, way: str, env: dict[str, str] | None, pattern: str,
             await client.teardown(sid, ns)
 
         def unit(i: int) -> float:
-            import time
             t0 = time.perf_counter()
             runner.run(pair(f"ab-{i}"))
             return (time.perf_counter() - t0) * 1000
