@@ -276,14 +276,15 @@ class ProcessExecutor:
             self._env_cache = env
         return {**self._env_cache, **inv.environ()}
 
-    async def _spawn(self, plugin: str, binary: str, inv: Invocation, stdin: bytes) -> Child:
+    async def _spawn(self, plugin: str, binary: str, inv: Invocation, stdin: bytes,
+                     timeout: float | None = None) -> Child:
         env = self._environ(inv)
         token = env[RUN_ENV] = self._leftovers.token()
         for attempt in range(self._busy_retries + 1):
             try:
                 return Child(binary, env, stdin, self._max_stdout, self._max_stderr,
                              leftovers=self._leftovers, token=token,
-                             label=f"{plugin} {inv.command}")
+                             label=f"{plugin} {inv.command}", timeout=timeout)
             except OSError as e:
                 # A binary being replaced (package upgrade) is briefly busy.
                 if e.errno == errno.ETXTBSY and attempt < self._busy_retries:
@@ -299,17 +300,16 @@ class ProcessExecutor:
     async def execute(
         self, plugin: str, binary: str, inv: Invocation, stdin: bytes, timeout: float
     ) -> bytes:
-        child = await self._spawn(plugin, binary, inv, stdin)
+        child = await self._spawn(plugin, binary, inv, stdin, timeout)
         try:
-            async with asyncio.timeout(timeout):
-                await child.finished()
+            await child.finished()  # or its timeout ran out (the child's own timer)
+            if child.timed_out:
+                raise PluginTimeout(plugin, inv.command, timeout)
             if child.too_big:
                 raise PluginBadOutput(
                     plugin, inv.command,
                     f"printed more than {self._max_stdout} bytes (process group killed)",
                 )
-        except TimeoutError:
-            raise PluginTimeout(plugin, inv.command, timeout) from None
         finally:
             # Always, cancelled or not: kills a hung plugin and any children it
             # left behind, then reaps it.
