@@ -47,6 +47,9 @@ def main() -> int:
     parser.add_argument("--pattern", choices=("crio", "pair"), default="crio")
     parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--new-wrapper", metavar="SCRIPT",
+                        help="run the new agent as `python SCRIPT -m cni_agent ...` (as "
+                             "bench/cpuprof.py runs it): an experiment with its interpreter")
     args = parser.parse_args()
     base_src = (args.base / "agent").resolve()
     if not (base_src / "cni_agent").is_dir():
@@ -59,7 +62,8 @@ def main() -> int:
     try:
         for way, env in envs.items():
             lab = labs[way] = Lab(f"ab{way}")
-            units[way], pids[way] = _setup(lab, way, env, args.pattern, runner)
+            wrapper = [args.new_wrapper] if way == "new" and args.new_wrapper else []
+            units[way], pids[way] = _setup(lab, way, env, args.pattern, runner, wrapper)
         per = 3 if args.pattern == "crio" else 1
         cpu: dict[str, list[float]] = {w: [] for w in envs}
         wall: dict[str, list[float]] = {w: [] for w in envs}
@@ -94,12 +98,13 @@ def main() -> int:
 
 
 def _setup(lab: Lab, way: str, env: dict[str, str] | None, pattern: str,
-           runner: asyncio.Runner) -> tuple[Callable[[int], float], int]:
+           runner: asyncio.Runner, wrapper: list[str]) -> tuple[Callable[[int], float], int]:
     if pattern == "pair":
         lab.noop()
         write_conf(lab.conf_dir, "10-noop.conflist",
                    conflist("noopchain", [{"type": "noop"}] * 3, "1.0.0"))
         agent = lab.agent(start=False)
+        agent.python_args = wrapper
         agent.start(env=env)
         client = runner.run(Client.connect(lab.bus.address))
         lab.cleanups.append(client.close)
@@ -121,6 +126,7 @@ def _setup(lab: Lab, way: str, env: dict[str, str] | None, pattern: str,
     write_conf(lab.conf_dir, "10-podnet.conflist",
                chain("podnet", bridge, SUBNETS[way], lab.tmp / "ipam", "1.1.0"))
     agent = lab.agent(start=False, plugin_dirs=[str(PLUGINS_191)])
+    agent.python_args = wrapper
     agent.start(env=env)
     assert agent.call("WaitReady", "d", "10")[0] is True, agent.log()
     conf: dict[str, Any] = json.loads(subprocess.run(
