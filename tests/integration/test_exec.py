@@ -286,8 +286,7 @@ async def test_cancelled_execution_kills_the_group(plugin_dir: Path, control: Co
 
 async def test_output_larger_than_a_pipe_is_read_whole(tmp_path: Path) -> None:
     """A plugin blocked writing more than a pipe holds never exits on its own:
-    its pipes are watched once it runs longer than a fast plugin would. More
-    than the 1 MiB they are enlarged to, on both."""
+    its pipes are watched once it runs longer than a fast plugin would."""
     binary = _script(tmp_path, "big", "head -c 3000000 /dev/zero | tr '\\0' x\n"
                                       "head -c 1500000 /dev/zero | tr '\\0' y >&2\n")
     executor = ProcessExecutor(max_stdout=4_000_000, max_stderr=2_000_000)

@@ -4,11 +4,10 @@ asyncio's subprocess layer (Popen, three pipe transports and protocols, stream
 readers, a child watcher) cost ~0.7 ms of the agent's CPU per exec and some 60
 loop iterations; this is a posix_spawn and a pidfd reader: one loop wake-up
 when the plugin exits, then what stdout and stderr hold is read at once.
-The pipes are enlarged to 1 MiB, so no result fills them, and watched only if
-the plugin has not exited within `_WATCH_AFTER_BIG` (it may be blocked writing
-more than a pipe holds); a real plugin (bridge, portmap: 10-100 ms) is then
-never watched, which cost it a timer, two readers and a wake-up per write.
-`exec.ProcessExecutor` is its only user.
+The pipes are watched only if the plugin has not exited within `_WATCH_AFTER`
+(it may be blocked writing more than a pipe holds): a real plugin (bridge,
+portmap: 10-100 ms) is not watched, which cost it two readers and a wake-up
+per write. `exec.ProcessExecutor` is its only user.
 
 A plugin is done when it exits: what it wrote is in the pipes by then, so
 they are read (briefly, boundedly) and closed; a descendant still holding
@@ -25,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import fcntl
 import logging
 import os
 import signal
@@ -39,19 +37,17 @@ log = logging.getLogger(__name__)
 # exec; Popen's restore_signals put them back to default, so do we.
 _DEFAULT_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ)
 _CHUNK = 65536
-# stdout and stderr pipes are enlarged to this (F_SETPIPE_SZ; 1 MiB is the
-# default /proc/sys/fs/pipe-max-size, so root needs no CAP_SYS_RESOURCE for it).
-_PIPE_SIZE = 1 << 20
-# A plugin that exits before this (nearly all do) costs no pipe watching; a
-# slower one, or one with more output than a pipe holds, is watched from then
-# on, so is delayed by at most this. Where a pipe cannot be enlarged (a user
-# over pipe-user-pages-soft) it holds 64 KiB: watched after `_WATCH_AFTER`.
-_WATCH_AFTER_BIG = 0.25
-_WATCH_AFTER = 0.01
+# A plugin that exits before this (nearly all do; a result is far smaller than
+# the 64 KiB a pipe holds) costs no pipe watching; a slower one is watched from
+# then on, so one printing more than a pipe holds is delayed by at most this.
+# (The pipes are not enlarged: F_SETPIPE_SZ counts against root's
+# pipe-user-pages-soft, node-wide, and past it the pipes of root processes
+# without CAP_SYS_RESOURCE, root containers', shrink to 2 pages.)
+_WATCH_AFTER = 0.25
 # Reads of a pipe once the plugin has exited: what it wrote is there (a pipe
-# holds 1 MiB; more was read while it ran); a leftover writing on and on
+# holds 64 KiB; more was read while it ran); a leftover writing on and on
 # must not hold the loop.
-_DRAIN_READS = _PIPE_SIZE // _CHUNK
+_DRAIN_READS = 16
 # How long a plugin SIGKILLed at its deadline may take to exit before the
 # caller is answered anyway (it is reaped when it does exit).
 _EXIT_GRACE = 0.5
@@ -60,15 +56,6 @@ _EXIT_GRACE = 0.5
 # before it, every descriptor of ours >= 3 is made close-on-exec at each spawn.
 _CLOSEFROM = getattr(os, "POSIX_SPAWN_CLOSEFROM", None)
 _CLOSE_RANGE_CLOEXEC = 1 << 2
-
-
-def _enlarge(fd: int) -> bool:
-    """Make the pipe of `fd` hold `_PIPE_SIZE` bytes; False where the kernel refuses."""
-    try:
-        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, _PIPE_SIZE)
-    except OSError:  # EPERM: over the user's pipe pages
-        return False
-    return True
 
 
 def kill_group(pid: int) -> None:
@@ -126,7 +113,6 @@ class Child:
             ours, theirs = (in_w, out_r, err_r), (in_r, out_w, err_w)
             for fd in ours:
                 os.set_blocking(fd, False)  # ours only: the plugin's ends stay blocking
-            big = _enlarge(out_r) and _enlarge(err_r)
             # Fed before the plugin exists: a config fits the pipe (64 KiB), so
             # usually no writer callback, and no wake-up of a plugin blocked in read().
             self._pending = memoryview(stdin)
@@ -169,7 +155,7 @@ class Child:
         self._done: asyncio.Future[None] = self._loop.create_future()
         self._loop.add_reader(self._pidfd, self._on_exit)
         now = self._loop.time()
-        watch_at = now + (_WATCH_AFTER_BIG if big else _WATCH_AFTER)
+        watch_at = now + _WATCH_AFTER
         self._deadline = None if timeout is None else now + timeout
         self._timer: asyncio.TimerHandle | None = (
             self._loop.call_at(self._deadline, self._expire)
