@@ -99,7 +99,8 @@ def run(smoke: bool) -> dict[str, Any]:
         assert agent.call("WaitReady", "d", "10")[0] is True, agent.log()
         image = build_image(lab.tmp)
         nodes = {"own": Containerd(lab.tmp / "c-own", lab.bus.address, [plugins]),
-                 "shim": Containerd(lab.tmp / "c-shim", lab.bus.address)}
+                 "shim": Containerd(lab.tmp / "c-shim", lab.bus.address,
+                                    shim_socket=agent.shim_socket)}
         (nodes["own"].conf_dir / "10-pods.conflist").write_bytes(
             chain("pods", bridges["own"], SUBNETS["own"], ipam, version))
         conf = subprocess.run([sys.executable, "-m", "cni_agent", "shim-config", "--runtime",

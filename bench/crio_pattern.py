@@ -11,10 +11,12 @@ declared capabilities), from one process.
 
 "direct": bridge + host-local + portmap exec'd plugin by plugin (ADD in order,
 CHECK in order, DEL in reverse), as CRI-O's own CNI does. "shim": the shim's
-conflist (`cni-agent shim-config --runtime crio`), one exec per verb, and the
-agent (production settings) running the same chain on a bridge of its own.
-Each round runs one pod each way, the first rotating; every pod gets a fresh
-netns (made outside the timing). Then bursts of 20 pods at once, each way.
+conflist (`cni-agent shim-config --runtime crio`), one exec per verb, on the
+agent's socket, and the agent (production settings) running the same chain on
+a bridge of its own. "bus": the same shim on the bus, its socket path absent
+(the shim's fallback, and what every call cost before the socket). Each round
+runs one pod each way, the first rotating; every pod gets a fresh netns (made
+outside the timing). Then bursts of 20 pods at once, each way.
 
 The agent's CPU per shim call is the time on CPU of all its threads
 (/proc/PID/task/*/schedstat) across the pod's three calls, divided by three;
@@ -54,7 +56,8 @@ PLUGINS_191 = CACHE / "cni-plugins-1.9.1"
 SUBNETS = {"direct": "10.232.0.0/22", "shim": "10.233.0.0/22", "libcni": "10.231.0.0/22"}
 GOAL_CPU_MS = 1.5  # the agent's CPU per shim call
 GOAL_POD, STRETCH_POD = 1.10, 1.05  # per-pod wall, shim / direct
-WAYS = ("direct", "shim")  # and "libcni", when the anchor is built
+WAYS = ("direct", "shim", "bus")  # and "libcni", when the anchor is built
+SHIMS = ("shim", "bus")
 VERBS = ("ADD", "CHECK", "DEL")
 # What CRI-O sends on every pod; libcni passes it only to a plugin that declares it.
 RUNTIME_CONFIG = {"cgroupPath": "/kubepods/besteffort/pod-bench",
@@ -92,12 +95,13 @@ class DirectPod(DirectChain):
 class ShimPod:
     """The shim's list as CRI-O's libcni runs it: one exec of the shim per verb."""
 
-    def __init__(self, conflist: Mapping[str, Any], bus_address: str) -> None:
+    def __init__(self, conflist: Mapping[str, Any], bus_address: str, socket: str) -> None:
+        """`socket`: the agent's socket (a path with nothing there: the bus)."""
         plugin = conflist["plugins"][0]
         self.conf = {"cniVersion": conflist["cniVersion"], "name": conflist["name"], **plugin}
         self.declared = {k for k, v in plugin.get("capabilities", {}).items() if v}
         self.base = {"PATH": os.environ["PATH"], "DBUS_SYSTEM_BUS_ADDRESS": bus_address,
-                     "CNI_PATH": str(SHIM.parent)}
+                     "CNI_PATH": str(SHIM.parent), "CNI_AGENT_SHIM_SOCKET": socket}
         self.shim_cpu: list[float] = []  # ms per exec, the shim process's own
         # Off for bursts: RUSAGE_CHILDREN then counts other threads' children too.
         self.count_cpu = True
@@ -164,7 +168,8 @@ def run(smoke: bool) -> dict[str, Any]:
         calls: dict[str, Any] = {
             "direct": DirectPod(chain("crio", bridges["direct"], SUBNETS["direct"], ipam, version),
                                 [str(plugins)]),
-            "shim": ShimPod(conf, lab.bus.address)}
+            "shim": ShimPod(conf, lab.bus.address, str(agent.shim_socket)),
+            "bus": ShimPod(conf, lab.bus.address, str(lab.tmp / "no-agent-here.sock"))}
         if binary is not None and "libcni" in ways:
             anchor_conf = write_conf(lab.tmp, "libcni.conflist", chain(
                 "crio-libcni", bridges["libcni"], SUBNETS["libcni"], ipam, version))
@@ -172,7 +177,8 @@ def run(smoke: bool) -> dict[str, Any]:
             lab.cleanups.append(anchor.close)
             calls["libcni"] = anchor
         samples = measure(lab, calls, agent.proc.pid, rounds, warmup, bursts, size)
-        samples["shim.exec_cpu"] = calls["shim"].shim_cpu
+        for way in SHIMS:
+            samples[f"{way}.exec_cpu"] = calls[way].shim_cpu
         leftover = (allocations(ipam, "crio") + allocations(ipam, "podnet")
                     + allocations(ipam, "crio-libcni"))
     return report(samples, leftover, plugins, version, size)
@@ -183,7 +189,9 @@ def measure(lab: Lab, calls: dict[str, Any], agent_pid: int, rounds: int, warmup
     ways = tuple(calls)
     s: dict[str, list[float]] = {f"{way}.{what}": [] for way in ways
                                  for what in ("pod", "burst", *VERBS)}
-    s.update({"agent.cpu_per_call": [], **{f"agent.cpu.{v}": [] for v in VERBS}})
+    s.update({"agent.cpu_per_call": [], "bus.agent_cpu_per_call": [],
+              **{f"{way}.bus_daemon_cpu_per_call": [] for way in SHIMS},
+              **{f"agent.cpu.{v}": [] for v in VERBS}})
     n = 0
     for i in range(warmup + rounds):
         spaces = {way: lab.netns.add() for way in ways}
@@ -197,12 +205,18 @@ def measure(lab: Lab, calls: dict[str, Any], agent_pid: int, rounds: int, warmup
                 continue
             times: dict[str, float] = {}
             cpu = AgentCPU(agent_pid)
-            call = cpu.wrap(calls[way].call) if way == "shim" else calls[way].call
+            bus_daemon = proc_cpu_ns(lab.bus.pid)
+            call = cpu.wrap(calls[way].call) if way in SHIMS else calls[way].call
             wall = pod(call, f"bench-{n}", spaces[way], times)
             if i >= warmup:
                 s[f"{way}.pod"].append(wall)
                 for verb in VERBS:
                     s[f"{way}.{verb}"].append(times[verb])
+                if way in SHIMS:  # what the bus daemon spent relaying this pod's calls
+                    s[f"{way}.bus_daemon_cpu_per_call"].append(
+                        (proc_cpu_ns(lab.bus.pid) - bus_daemon) / 1e6 / len(VERBS))
+                if way == "bus":
+                    s["bus.agent_cpu_per_call"].append(sum(cpu.per_verb.values()) / len(VERBS))
                 if way == "shim":
                     s["agent.cpu_per_call"].append(sum(cpu.per_verb.values()) / len(VERBS))
                     for verb in VERBS:
@@ -210,10 +224,11 @@ def measure(lab: Lab, calls: dict[str, Any], agent_pid: int, rounds: int, warmup
         lab.netns.close()  # every pod's DEL is done: the namespaces go
     if "libcni" in calls:
         s["libcni.cpu_per_call"] = [ms / len(VERBS) for ms in calls["libcni"].cpu[warmup:]]
-    calls["shim"].count_cpu = False
+    for way in SHIMS:
+        calls[way].count_cpu = False
     with ThreadPoolExecutor(size) as pool:
         for i in range(bursts):  # the anchor runs one pod at a time: not in bursts
-            for way in WAYS[i % 2:] + WAYS[:i % 2]:
+            for way in WAYS[i % len(WAYS):] + WAYS[:i % len(WAYS)]:
                 netns = lab.netns.many(size)
                 names = [f"burst-{way}-{i}-{k}" for k in range(size)]
                 t0 = time.perf_counter()
@@ -254,6 +269,10 @@ def report(s: dict[str, list[float]], leftover: list[str], plugins: Path, versio
         figure("cri.crio_pattern.agent_cpu", s["agent.cpu_per_call"],
                goal=f"goal ≤ {GOAL_CPU_MS:g} ms per shim call", passed=cpu <= GOAL_CPU_MS,
                note="the agent's own CPU per shim call (all threads; plugins not)"),
+        figure("cri.crio_pattern.pod_bus", s["bus.pod"], ratio=ratio(s["bus.pod"], s["direct.pod"]),
+               note="the same through the shim on the bus (its fallback); agent CPU "
+                    f"{statistics.median(s['bus.agent_cpu_per_call']):.2f} ms per call; "
+                    f"socket / bus {ratio(s['shim.pod'], s['bus.pod']):.3f}"),
     ]
     for verb in VERBS:
         figures.append(figure(f"cri.crio_pattern.{verb.lower()}", s[f"shim.{verb}"],
@@ -278,14 +297,20 @@ def report(s: dict[str, list[float]], leftover: list[str], plugins: Path, versio
     figures += [
         figure("cri.crio_pattern.burst", s["shim.burst"], ratio=ratio(s["shim.burst"], s["direct.burst"]),
                note=f"{size} pods at once (ADD+CHECK+DEL each); direct "
-                    f"{statistics.median(s['direct.burst']):.0f} ms"),
+                    f"{statistics.median(s['direct.burst']):.0f} ms; on the bus "
+                    f"{statistics.median(s['bus.burst']):.0f} ms"),
+        figure("cri.crio_pattern.bus_daemon_cpu", s["shim.bus_daemon_cpu_per_call"],
+               note="dbus-daemon's CPU per shim call, on the socket (nothing to relay); on the "
+                    f"bus {statistics.median(s['bus.bus_daemon_cpu_per_call']):.2f} ms"),
         figure("cri.crio_pattern.shim_cpu", s["shim.exec_cpu"],
-               note="the shim process's own CPU per exec (user + system)"),
+               ratio=ratio(s["shim.exec_cpu"], s["bus.exec_cpu"]),
+               note="the shim process's own CPU per exec (user + system), on the socket; on the "
+                    f"bus {statistics.median(s['bus.exec_cpu']):.2f} ms (ratio: socket / bus)"),
         figure("cri.crio_pattern.leftover_ips", [len(leftover)], "count", goal="must be 0",
                passed=not leftover),
     ]
     return result(figures, [
         f"crio_pattern: CRI-O's libcni calls made from Python as libcni makes them (ADD, CHECK "
         f"with prevResult, DEL; CRI-O's CNI_ARGS and runtimeConfig); {plugins} bridge + host-local "
-        f"+ portmap at cniVersion {version}, no host ports (CRI-O maps them itself); direct and "
-        "shim interleaved, a fresh netns per pod"])
+        f"+ portmap at cniVersion {version}, no host ports (CRI-O maps them itself); direct, "
+        "shim on the agent's socket and shim on the bus interleaved, a fresh netns per pod"])

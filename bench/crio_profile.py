@@ -64,7 +64,7 @@ def main() -> int:
             [sys.executable, "-m", "cni_agent", "shim-config", "--runtime", "crio", "--network",
              "podnet", "--name", "pods", "--config", str(agent.config_path)],
             capture_output=True, text=True, check=True).stdout)
-        shim = ShimPod(conf, lab.bus.address)
+        shim = ShimPod(conf, lab.bus.address, str(agent.shim_socket))
         for i in range(10):  # warm-up: imports, caches
             pod(shim.call, f"warm-{i}", lab.netns.add())
         lab.netns.close()

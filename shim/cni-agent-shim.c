@@ -1,33 +1,58 @@
-/* cni-agent-shim: a CNI plugin that forwards its call to cni-agent over D-Bus.
+/* cni-agent-shim: a CNI plugin that forwards its call to cni-agent.
  *
  * A runtime (containerd, CRI-O, podman, nerdctl, cnitool) execs it like any
- * plugin. It sends the CNI_* environment and stdin untouched to the agent's
- * CNICall method and prints what comes back: the agent decides everything, so
- * the shim holds no CNI logic and cannot disagree with the agent.
+ * plugin. It sends the CNI_* environment and stdin untouched to the agent and
+ * prints what comes back: the agent decides everything, so the shim holds no
+ * CNI logic and cannot disagree with the agent.
  *
- * Why C on sd-bus and not Python: the shim runs once per CNI call, and
- * containerd runs STATUS on every CRI Status query. Python with dbus-fast
- * costs 110-200 ms to start; this costs about a millisecond. libsystemd is on
- * every systemd node, so the binary needs nothing new there.
+ * Two ways to the agent, the same call and the same answers:
+ * - the agent's own socket, /run/cni-agent/shim.sock (agent/cni_agent/service/
+ *   shimsock.py has the protocol): one connect and one exchange, the caller
+ *   known to the agent by SO_PEERCRED;
+ * - else the agent's CNICall method on the system bus: when the socket is not
+ *   there (the agent stopped or restarting: bus activation starts it and holds
+ *   the call; an older agent without the socket).
+ * The bus costs three round trips through the bus daemon (Hello, the call, the
+ * agent's look-up of our credentials) and libsystemd's loading (0.5 ms of CPU
+ * per exec here), so libsystemd is loaded only when the bus is used.
+ *
+ * Why C and not Python: the shim runs once per CNI call, and containerd runs
+ * STATUS on every CRI Status query. Python with dbus-fast costs 110-200 ms to
+ * start; this costs about a millisecond. libsystemd is on every systemd node,
+ * so the binary needs nothing new there.
  *
  * Errors of the shim itself (no bus, no agent, access refused, timeout) are
  * printed as CNI errors: 11 (try again later) when the agent is not there or
  * went away mid-call (a runtime retries), 7 for a configuration too large to
  * send, 999 otherwise, always with a message a person can act on and the bus
- * error and errno in "details".
+ * or socket error and errno in "details". The agent's own errors arrive by
+ * name on either way and are mapped by the same code (call_failed).
+ *
+ * CNI_AGENT_SHIM_SOCKET overrides the socket's path; set and empty, the shim
+ * uses the bus alone. DBUS_SYSTEM_BUS_ADDRESS names the bus, as for every
+ * D-Bus client.
  */
 #define _GNU_SOURCE
+#include <dlfcn.h>
 #include <errno.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <sys/un.h>
 #include <unistd.h>
 
+/* Types and error names only: the library is loaded on demand (load_sd_bus). */
 #include <systemd/sd-bus.h>
 
 #define AGENT_NAME "org.cniagent.Agent1"
 #define AGENT_PATH "/org/cniagent/Agent1"
 #define AGENT_IFACE "org.cniagent.Agent1"
+#define SOCKET_PATH "/run/cni-agent/shim.sock"
+#define SOCKET_ENV "CNI_AGENT_SHIM_SOCKET"
+#define LIBSYSTEMD "libsystemd.so.0"
 /* The agent bounds every verb itself, and the runtime bounds the shim; this is
  * a backstop for callers that do not (podman, cnitool) against an agent that
  * never answers. Derived from the agent's default timeouts (README,
@@ -44,6 +69,13 @@
  * code, and never cut in the middle of a UTF-8 sequence and sent. */
 #define MAX_CONFIG (1024 * 1024)
 #define MAX_STDIN (MAX_CONFIG + 1)
+/* The socket's bounds (shimsock.py): an environment larger than the agent
+ * reads there goes by the bus, which carries any; a reply this large is not
+ * the agent's (its plugins' output is bounded at 8 MiB). */
+#define SOCKET_MAGIC "CNA1"
+#define SOCKET_MAX_ENV (64 * 1024)
+#define SOCKET_MAX_NAME 4096
+#define SOCKET_MAX_TEXT (64 * 1024 * 1024)
 
 /* VERSION is answered here, without the agent: it is about this binary, and
  * runtimes ask it while validating configs, agent running or not. The list is
@@ -60,6 +92,10 @@ extern char **environ;
 static const char *not_running = "cni-agent is not running: systemctl start cni-agent";
 static const char *masked = "cni-agent is not running: its unit is masked "
                             "(systemctl unmask cni-agent && systemctl start cni-agent)";
+static const char *went_away = "cni-agent went away during the call: see journalctl -u cni-agent";
+static const char *too_slow = "cni-agent did not answer in time: see journalctl -u cni-agent";
+static const char *not_utf8 = "cni-agent-shim: cannot send the call (the environment or "
+                              "configuration is not valid UTF-8?)";
 
 /* The length of the valid UTF-8 sequence at p (1-4), or 0 if there is none
  * (a stray byte, or a character cut in two by a bounded snprintf below). */
@@ -145,17 +181,46 @@ static char *read_stdin(size_t *len) {
     return buf;
 }
 
+/* Whether `s` is UTF-8 as D-Bus strings must be, exactly as sd-bus checks
+ * them (no overlong forms, surrogates, code points past U+10FFFF, nor the
+ * noncharacters U+FDD0-U+FDEF and U+xxFFFE/F): so both ways refuse the same
+ * calls, here, with the same answer. */
+static int valid_utf8(const char *s) {
+    for (const unsigned char *p = (const unsigned char *)s; *p;) {
+        size_t n = utf8_length(p);
+        if (n == 0)
+            return 0;
+        uint32_t c = n == 1 ? *p : (uint32_t)(*p & (0x7F >> n));
+        for (size_t i = 1; i < n; i++)
+            c = (c << 6) | (p[i] & 0x3F);
+        if ((c >= 0xFDD0 && c <= 0xFDEF) || (c & 0xFFFE) == 0xFFFE)
+            return 0; /* a noncharacter */
+        p += n;
+    }
+    return 1;
+}
+
+/* The environment forwarded: CNI_* variables, not the shim's own setting. */
+static int forwarded(const char *entry) {
+    return !strncmp(entry, "CNI_", 4) && strchr(entry, '=')
+           && strncmp(entry, SOCKET_ENV "=", sizeof SOCKET_ENV);
+}
+
 static int is(const char *name, const char *which) {
     return !strcmp(name, which);
 }
 
-/* A failed call, as the CNI error a runtime acts on. "details" carries the
- * bus error and the errno, so that the runtime's log says what happened. */
-static int call_failed(const sd_bus_error *error, int r) {
-    const char *name = error && error->name ? error->name : "";
-    const char *message = error && error->message ? error->message : strerror(-r);
+/* A failed call, as the CNI error a runtime acts on: `name` and `message` are
+ * the bus's or the agent's error (the same names on both ways), `r` the
+ * negative errno. "details" carries them, so that the runtime's log says what
+ * happened. */
+static int call_failed(const char *name, const char *message, int r) {
     char msg[1024], details[1024];
 
+    if (!name)
+        name = "";
+    if (!message)
+        message = strerror(-r);
     snprintf(details, sizeof details, "%s%s%s (%s)", name, *name ? ": " : "", message, strerror(-r));
     if (is(name, SD_BUS_ERROR_SERVICE_UNKNOWN) || is(name, SD_BUS_ERROR_NAME_HAS_NO_OWNER)
         || is(name, "org.freedesktop.systemd1.NoSuchUnit")
@@ -178,28 +243,233 @@ static int call_failed(const sd_bus_error *error, int r) {
     /* NoReply comes from the bus: the agent exited, crashed or restarted with
      * the call in flight. Whatever it had started it finishes or rolls back
      * on its next start, so the runtime should simply try again. */
-    if (is(name, SD_BUS_ERROR_NO_REPLY) || is(name, SD_BUS_ERROR_DISCONNECTED)) {
-        snprintf(msg, sizeof msg, "cni-agent went away during the call: see journalctl -u "
-                                  "cni-agent");
-        return cni_error(CODE_TRY_AGAIN_LATER, msg, details);
-    }
+    if (is(name, SD_BUS_ERROR_NO_REPLY) || is(name, SD_BUS_ERROR_DISCONNECTED))
+        return cni_error(CODE_TRY_AGAIN_LATER, went_away, details);
     /* Our own backstop (CALL_TIMEOUT_SEC): sd-bus names it Timeout. */
-    if (is(name, SD_BUS_ERROR_TIMEOUT) || r == -ETIMEDOUT) {
-        snprintf(msg, sizeof msg, "cni-agent did not answer in time: see journalctl -u cni-agent");
-        return cni_error(CODE_INTERNAL, msg, details);
-    }
+    if (is(name, SD_BUS_ERROR_TIMEOUT) || r == -ETIMEDOUT)
+        return cni_error(CODE_INTERNAL, too_slow, details);
     snprintf(msg, sizeof msg, "cni-agent refused the call: %s%s%s", message, *name ? ": " : "", name);
     return cni_error(CODE_INTERNAL, msg, "");
 }
 
-int main(void) {
+/* What the agent answered: a plugin's stdout and exit status. */
+static int answered(uint32_t status, const char *output, size_t len) {
+    fwrite(output, 1, len, stdout);
+    if (len && output[len - 1] != '\n')
+        putchar('\n');
+    fflush(stdout);
+    /* Exiting frees everything: no cleanup needed on the way out. */
+    return status > 255 ? 1 : (int)status;
+}
+
+/* --- the agent's socket ------------------------------------------------------------ */
+
+#define SOCKET_UNREACHABLE (-1000) /* not connected: the bus is next */
+
+static void put_u32(char *p, uint32_t v) {
+    p[0] = (char)(v >> 24), p[1] = (char)(v >> 16), p[2] = (char)(v >> 8), p[3] = (char)v;
+}
+
+static uint32_t get_u32(const unsigned char *p) {
+    return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
+}
+
+/* Read exactly `len` bytes: 0, or the negative errno (-ECONNRESET at an early end). */
+static int read_all(int fd, void *buf, size_t len) {
+    char *p = buf;
+    while (len) {
+        ssize_t got = read(fd, p, len);
+        if (got < 0 && errno == EINTR)
+            continue;
+        if (got < 0)
+            return errno == EAGAIN || errno == EWOULDBLOCK ? -ETIMEDOUT : -errno;
+        if (got == 0)
+            return -ECONNRESET;
+        p += got, len -= (size_t)got;
+    }
+    return 0;
+}
+
+/* The request, whole: "CNA1" env_len env config_len config. */
+static char *socket_request(const char *config, size_t config_len, size_t *len) {
+    size_t env_len = 0;
+    for (char **e = environ; *e; e++)
+        if (forwarded(*e))
+            env_len += strlen(*e) + 1;
+    if (env_len > SOCKET_MAX_ENV)
+        return NULL; /* the bus carries it */
+    char *buf = malloc(12 + env_len + config_len), *p = buf;
+    if (!buf)
+        return NULL;
+    memcpy(p, SOCKET_MAGIC, 4), p += 4;
+    put_u32(p, (uint32_t)env_len), p += 4;
+    for (char **e = environ; *e; e++) {
+        if (forwarded(*e)) {
+            size_t n = strlen(*e) + 1;
+            memcpy(p, *e, n), p += n;
+        }
+    }
+    put_u32(p, (uint32_t)config_len), p += 4;
+    memcpy(p, config, config_len), p += config_len;
+    *len = (size_t)(p - buf);
+    return buf;
+}
+
+/* The call over the agent's socket: the exit status, or SOCKET_UNREACHABLE
+ * when there is no agent to connect to there (then the bus is asked). */
+static int call_socket(const char *path, const char *config, size_t config_len) {
+    struct sockaddr_un addr = {.sun_family = AF_UNIX};
+    if (strlen(path) >= sizeof addr.sun_path)
+        return SOCKET_UNREACHABLE;
+    strcpy(addr.sun_path, path);
+    size_t len = 0;
+    char *request = socket_request(config, config_len, &len);
+    if (!request)
+        return SOCKET_UNREACHABLE;
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return SOCKET_UNREACHABLE;
+    struct timeval timeout = {.tv_sec = CALL_TIMEOUT_SEC};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof timeout);
+    /* Absent (ENOENT), stale (ECONNREFUSED), unreadable: the bus, as before the socket. */
+    if (connect(fd, (struct sockaddr *)&addr, sizeof addr) < 0) {
+        close(fd);
+        free(request);
+        return SOCKET_UNREACHABLE;
+    }
+    /* A write cut short (EPIPE: the agent answered before reading it all, a
+     * refusal) still leaves its answer to read. */
+    for (const char *p = request; len;) {
+        ssize_t sent = send(fd, p, len, MSG_NOSIGNAL);
+        if (sent < 0 && errno == EINTR)
+            continue;
+        if (sent < 0)
+            break;
+        p += sent, len -= (size_t)sent;
+    }
+    free(request);
+
+    char details[1024];
+    unsigned char head[16];
+    int r = read_all(fd, head, sizeof head);
+    if (r == 0 && memcmp(head, SOCKET_MAGIC, 4))
+        r = -EPROTO;
+    uint32_t status = r ? 0 : get_u32(head + 4), name_len = r ? 0 : get_u32(head + 8),
+             text_len = r ? 0 : get_u32(head + 12);
+    if (!r && (name_len > SOCKET_MAX_NAME || text_len > SOCKET_MAX_TEXT))
+        r = -EPROTO;
+    char *body = r ? NULL : malloc((size_t)name_len + text_len + 2);
+    if (!r && !body)
+        r = -ENOMEM;
+    if (!r)
+        r = read_all(fd, body, (size_t)name_len + text_len);
+    close(fd);
+    if (r) {
+        snprintf(details, sizeof details, "the agent's socket %s: %s", path, strerror(-r));
+        if (r == -ETIMEDOUT)
+            return cni_error(CODE_INTERNAL, too_slow, details);
+        if (r == -EPROTO || r == -ENOMEM)
+            return cni_error(CODE_INTERNAL, "cni-agent-shim: the agent's answer is not one this "
+                                            "shim reads", details);
+        return cni_error(CODE_TRY_AGAIN_LATER, went_away, details);
+    }
+    if (!name_len)
+        return answered(status, body, text_len);
+    /* The agent's error by name, as the bus would carry it. */
+    memmove(body + name_len + 1, body + name_len, text_len);
+    body[name_len] = '\0', body[name_len + 1 + text_len] = '\0';
+    return call_failed(body, body + name_len + 1, -EIO);
+}
+
+/* --- the system bus -------------------------------------------------------------------- */
+
+/* The libsystemd functions the bus needs, loaded only when it is used. */
+static struct {
+    __typeof__(sd_bus_open_system) *open_system;
+    __typeof__(sd_bus_message_new_method_call) *new_method_call;
+    __typeof__(sd_bus_message_open_container) *open_container;
+    __typeof__(sd_bus_message_close_container) *close_container;
+    __typeof__(sd_bus_message_append) *append;
+    __typeof__(sd_bus_call) *call;
+    __typeof__(sd_bus_message_read) *read;
+} sd;
+
+static const char *load_sd_bus(void) {
+    void *lib = dlopen(LIBSYSTEMD, RTLD_NOW | RTLD_LOCAL);
+    if (!lib)
+        return dlerror();
+/* POSIX lets dlsym's object pointer be a function's. */
+#define SYM(field, name)                                                                           \
+    if (!(sd.field = (__typeof__(sd.field))dlsym(lib, #name)))                                     \
+        return dlerror();
+    SYM(open_system, sd_bus_open_system)
+    SYM(new_method_call, sd_bus_message_new_method_call)
+    SYM(open_container, sd_bus_message_open_container)
+    SYM(close_container, sd_bus_message_close_container)
+    SYM(append, sd_bus_message_append)
+    SYM(call, sd_bus_call)
+    SYM(read, sd_bus_message_read)
+#undef SYM
+    return NULL;
+}
+
+static int call_bus(const char *config) {
     sd_bus *bus = NULL;
     sd_bus_message *call = NULL, *reply = NULL;
     sd_bus_error error = SD_BUS_ERROR_NULL;
-    size_t len = 0;
     uint32_t status = 0;
     const char *output = NULL;
     int r;
+
+    const char *why = load_sd_bus();
+    if (why)
+        return cni_error(CODE_INTERNAL, "cni-agent-shim: cannot load " LIBSYSTEMD " to reach the "
+                                        "agent over the system bus", why);
+    /* sd_bus_open_system honours DBUS_SYSTEM_BUS_ADDRESS, as every D-Bus client does. */
+    r = sd.open_system(&bus);
+    if (r < 0) {
+        char details[512];
+        const char *address = getenv("DBUS_SYSTEM_BUS_ADDRESS");
+        snprintf(details, sizeof details, "cannot connect to the system bus at %s: %s",
+                 address && *address ? address : "unix:path=/run/dbus/system_bus_socket",
+                 strerror(-r));
+        return cni_error(CODE_TRY_AGAIN_LATER, not_running, details);
+    }
+
+    r = sd.new_method_call(bus, &call, AGENT_NAME, AGENT_PATH, AGENT_IFACE, "CNICall");
+    if (r >= 0)
+        r = sd.open_container(call, 'a', "{ss}");
+    for (char **e = environ; r >= 0 && *e; e++) {
+        if (!forwarded(*e))
+            continue;
+        const char *eq = strchr(*e, '=');
+        char *key = strndup(*e, (size_t)(eq - *e));
+        if (!key) {
+            r = -ENOMEM;
+            break;
+        }
+        r = sd.append(call, "{ss}", key, eq + 1);
+        free(key);
+    }
+    if (r >= 0)
+        r = sd.close_container(call);
+    if (r >= 0)
+        r = sd.append(call, "s", config);
+    if (r < 0) /* checked before (valid_utf8): out of memory */
+        return cni_error(CODE_INTERNAL, not_utf8, strerror(-r));
+
+    r = sd.call(bus, call, CALL_TIMEOUT_USEC, &error, &reply);
+    if (r < 0)
+        return call_failed(error.name, error.message, r);
+    r = sd.read(reply, "us", &status, &output);
+    if (r < 0)
+        return cni_error(CODE_INTERNAL, "cni-agent-shim: the agent's answer is not (us)", strerror(-r));
+    return answered(status, output, strlen(output));
+}
+
+int main(void) {
+    size_t len = 0;
 
     const char *command = getenv("CNI_COMMAND");
     if (command && !strcmp(command, "VERSION")) {
@@ -216,53 +486,20 @@ int main(void) {
                          "cni-agent-shim reads at most 1 MiB from stdin");
     if (strlen(config) != len)
         return cni_error(6, "the network configuration contains a NUL byte", "");
+    int utf8 = valid_utf8(config);
+    for (char **e = environ; utf8 && *e; e++)
+        if (forwarded(*e))
+            utf8 = valid_utf8(*e);
+    if (!utf8)
+        return cni_error(CODE_INTERNAL, not_utf8, strerror(EINVAL));
 
-    /* sd_bus_open_system honours DBUS_SYSTEM_BUS_ADDRESS, as every D-Bus client does. */
-    r = sd_bus_open_system(&bus);
-    if (r < 0) {
-        char details[512];
-        const char *address = getenv("DBUS_SYSTEM_BUS_ADDRESS");
-        snprintf(details, sizeof details, "cannot connect to the system bus at %s: %s",
-                 address && *address ? address : "unix:path=/run/dbus/system_bus_socket",
-                 strerror(-r));
-        return cni_error(CODE_TRY_AGAIN_LATER, not_running, details);
+    const char *path = getenv(SOCKET_ENV);
+    if (!path)
+        path = SOCKET_PATH;
+    if (*path) {
+        int status = call_socket(path, config, len);
+        if (status != SOCKET_UNREACHABLE)
+            return status;
     }
-
-    r = sd_bus_message_new_method_call(bus, &call, AGENT_NAME, AGENT_PATH, AGENT_IFACE, "CNICall");
-    if (r >= 0)
-        r = sd_bus_message_open_container(call, 'a', "{ss}");
-    for (char **e = environ; r >= 0 && *e; e++) {
-        const char *eq = strchr(*e, '=');
-        if (strncmp(*e, "CNI_", 4) || !eq)
-            continue;
-        char *key = strndup(*e, (size_t)(eq - *e));
-        if (!key) {
-            r = -ENOMEM;
-            break;
-        }
-        r = sd_bus_message_append(call, "{ss}", key, eq + 1);
-        free(key);
-    }
-    if (r >= 0)
-        r = sd_bus_message_close_container(call);
-    if (r >= 0)
-        r = sd_bus_message_append(call, "s", config);
-    if (r < 0) {
-        /* Only invalid UTF-8 gets here in practice: D-Bus strings must be UTF-8. */
-        return cni_error(CODE_INTERNAL, "cni-agent-shim: cannot send the call (the environment "
-                                        "or configuration is not valid UTF-8?)", strerror(-r));
-    }
-
-    r = sd_bus_call(bus, call, CALL_TIMEOUT_USEC, &error, &reply);
-    if (r < 0)
-        return call_failed(&error, r);
-    r = sd_bus_message_read(reply, "us", &status, &output);
-    if (r < 0)
-        return cni_error(CODE_INTERNAL, "cni-agent-shim: the agent's answer is not (us)", strerror(-r));
-    fputs(output, stdout);
-    if (*output && output[strlen(output) - 1] != '\n')
-        putchar('\n');
-    fflush(stdout);
-    /* Exiting frees everything: no cleanup needed on the way out. */
-    return status > 255 ? 1 : (int)status;
+    return call_bus(config);
 }

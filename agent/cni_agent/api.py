@@ -17,7 +17,8 @@ ERROR_PREFIX = "org.cniagent.Agent1.Error."
 # 1: Setup/Attach option netns_fd, Version, InterfaceRevision.
 # 2: CheckSandboxes, AttachmentDrifted.
 # 3: ResetPodCIDRs, PodCIDRsSource.
-INTERFACE_REVISION = 3
+# 4: AttachmentCheckChanged.
+INTERFACE_REVISION = 4
 
 
 class ErrorKind(StrEnum):

@@ -90,6 +90,10 @@ class CheckConfig:
     interval: float = 300.0
     # Re-create a drifted attachment (DEL, then ADD asking for its IPs and MAC).
     repair: bool = False
+    # Also where the network cannot be asked for the same IP (no plugin
+    # declares the ips capability): the re-ADD may give another address, and
+    # is reported repaired-with-new-address. Off: such drift is only reported.
+    repair_new_address: bool = False
     # Sandboxes CHECKed at once in a pass.
     concurrency: int = 4
 
@@ -278,7 +282,7 @@ _SECTIONS: dict[str, tuple[type[Any], Mapping[str, _Check]]] = {
                               "capabilities": _str_list, "max_sandboxes": _count}),
     "gc": (GCConfig, {"networks": _str_list, "interval": _duration}),
     "check": (CheckConfig, {"interval": _duration, "repair": _bool,
-                            "concurrency": _positive_int}),
+                            "repair_new_address": _bool, "concurrency": _positive_int}),
     "http": (HTTPConfig, {"listen": _listen}),
 }
 

@@ -80,9 +80,11 @@ class Node:
         self.runtime: Containerd | CRIO
         if RUNTIME == "crio":
             self.runtime = CRIO(tmp / "crio", bus.address,
-                                self.cli("shim-config", "--runtime", "crio", "--drop-in"))
+                                self.cli("shim-config", "--runtime", "crio", "--drop-in"),
+                                shim_socket=self.agent.shim_socket)
         else:
-            self.runtime = Containerd(tmp / "containerd", bus.address)
+            self.runtime = Containerd(tmp / "containerd", bus.address,
+                                      shim_socket=self.agent.shim_socket)
 
     def start(self, runtime: bool = True) -> None:
         self.agent.start()

@@ -15,9 +15,9 @@ machine. Set for a reason each:
 - NRI off: its socket is a machine-wide path. runc's state under the test's
   dir too (`Root`); only the shims' sockets go to /run/containerd/s, named
   by a hash of socket, namespace and id.
-- `DBUS_SYSTEM_BUS_ADDRESS` in containerd's environment: libcni hands its
-  environment to plugins, so the shim finds the test's bus. On a node the
-  system bus is the default.
+- `DBUS_SYSTEM_BUS_ADDRESS` and `CNI_AGENT_SHIM_SOCKET` in containerd's
+  environment: libcni hands its environment to plugins, so the shim finds the
+  test's bus and its agent's socket. On a node both are the defaults.
 """
 
 from __future__ import annotations
@@ -87,9 +87,11 @@ def toml_str(value: object) -> str:
 
 
 class Containerd:
-    def __init__(self, top: Path, bus_address: str, plugin_dirs: Sequence[Path] = ()) -> None:
+    def __init__(self, top: Path, bus_address: str, plugin_dirs: Sequence[Path] = (),
+                 shim_socket: Path | None = None) -> None:
         """`plugin_dirs`: where containerd looks for plugins; by default only a
-        directory holding the shim (a benchmark gives containerd its own chain)."""
+        directory holding the shim (a benchmark gives containerd its own chain).
+        `shim_socket`: the agent's socket for the shim (None: the bus alone)."""
         self.top = top
         self.socket = str(top / "containerd.sock")
         self.conf_dir = top / "net.d"
@@ -105,7 +107,8 @@ class Containerd:
             runc=toml_str(shutil.which("runc") or "runc"), runc_root=toml_str(top / "runc"),
             bin_dirs=", ".join(toml_str(d) for d in plugin_dirs or [self.bin_dir]),
             conf_dir=toml_str(self.conf_dir)))
-        self.env = {"PATH": f"{BIN}:{os.environ['PATH']}", "DBUS_SYSTEM_BUS_ADDRESS": bus_address}
+        self.env = {"PATH": f"{BIN}:{os.environ['PATH']}", "DBUS_SYSTEM_BUS_ADDRESS": bus_address,
+                    "CNI_AGENT_SHIM_SOCKET": str(shim_socket or "")}
         self.log_path = top / "containerd.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.cri = CRI(self.socket)

@@ -17,8 +17,9 @@ reason each:
   tool, copyimg (built by tools/build-crio): no registry, no pull.
 - cgroupfs, AppArmor unconfined, no NRI, no CDI, no hooks, no metrics: the
   machine's systemd, profiles and sockets are left alone.
-- `DBUS_SYSTEM_BUS_ADDRESS` in CRI-O's environment: libcni hands its
-  environment to plugins, so the shim finds the test's bus.
+- `DBUS_SYSTEM_BUS_ADDRESS` and `CNI_AGENT_SHIM_SOCKET` in CRI-O's
+  environment: libcni hands its environment to plugins, so the shim finds the
+  test's bus and its agent's socket.
 """
 
 from __future__ import annotations
@@ -99,10 +100,11 @@ plugin_dirs = [{bin_dirs}]
 
 class CRIO:
     def __init__(self, top: Path, bus_address: str, drop_in: str,
-                 plugin_dirs: tuple[Path, ...] = ()) -> None:
+                 plugin_dirs: tuple[Path, ...] = (), shim_socket: Path | None = None) -> None:
         """`drop_in`: what `cni-agent shim-config --runtime crio --drop-in` printed.
         `plugin_dirs`: where CRI-O looks for plugins; by default only a directory
-        holding the shim (a benchmark gives a CRI-O its own chain)."""
+        holding the shim (a benchmark gives a CRI-O its own chain).
+        `shim_socket`: the agent's socket for the shim (None: the bus alone)."""
         self.top = top
         self.socket = str(top / "crio.sock")
         self.conf_dir = top / "net.d"
@@ -130,7 +132,8 @@ class CRIO:
         (self.config_dir / "99-test.conf").write_text(TEST_DROP_IN.format(
             conf_dir=toml_str(self.conf_dir),
             bin_dirs=", ".join(toml_str(d) for d in plugin_dirs or (self.bin_dir,))))
-        self.env = {"PATH": os.environ["PATH"], "DBUS_SYSTEM_BUS_ADDRESS": bus_address}
+        self.env = {"PATH": os.environ["PATH"], "DBUS_SYSTEM_BUS_ADDRESS": bus_address,
+                    "CNI_AGENT_SHIM_SOCKET": str(shim_socket or "")}
         self.log_path = top / "crio.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.cri = CRI(self.socket)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -13,6 +16,7 @@ from tests.conftest import unique_name
 from tests.support.agent import Agent, Bus
 from tests.support.net import delete_link
 from tests.support.plugins import Control, conflist, install_plugin, write_conf
+from tests.support.shim import WAYS, Way
 
 pytestmark = pytest.mark.root
 
@@ -28,6 +32,23 @@ def member() -> Iterator[str]:
     subprocess.run(["pkill", "-KILL", "-u", name], check=False)
     subprocess.run(["userdel", name], check=False)
     subprocess.run(["groupdel", name], check=False)
+
+
+@pytest.fixture(params=WAYS)
+def way(request: pytest.FixtureRequest, tmp_path: Path) -> Way:
+    """The test once with the shim over the agent's socket, once over the bus
+    (its fallback): the same cases must get the same answers."""
+    return Way(request.param, tmp_path / "no-agent-here.sock")
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A directory every user can reach (tmp_path is root's alone): the agent's
+    runtime_dir when another user connects to its socket."""
+    d = Path(tempfile.mkdtemp(prefix="cni-agent-run-"))
+    os.chmod(d, 0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

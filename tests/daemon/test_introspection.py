@@ -41,8 +41,11 @@ def test_live_introspection_equals_the_documented_xml(make_agent: Callable[..., 
     documented = interface_shape(DOCUMENTED.read_text())
     assert live == documented
     assert len(live["methods"]) == 14 and len(live["properties"]) == 9
-    assert live["signals"] == {"AttachmentDrifted": [(n, "s", "out") for n in
-                                                     ("sandbox_id", "network", "ifname", "reason")]}
+    assert live["signals"] == {
+        "AttachmentDrifted": [(n, "s", "out") for n in
+                              ("sandbox_id", "network", "ifname", "reason")],
+        "AttachmentCheckChanged": [(n, "s", "out") for n in
+                                   ("sandbox_id", "network", "ifname", "state", "reason")]}
 
 
 def test_every_method_and_property_has_a_doc_comment() -> None:

@@ -23,9 +23,11 @@ pytestmark = pytest.mark.root
 
 
 @pytest.fixture
-def podman(system_bus: Bus) -> Iterator[Podman]:
+def podman(system_bus: Bus, tmp_path: Path) -> Iterator[Podman]:
     # podman refuses a runroot longer than 50 characters: not under tmp_path.
-    p = Podman(Path(tempfile.mkdtemp(prefix="cni-agent-podman-")), system_bus.address)
+    # The shim on the socket of the agent make_agent starts (its runtime_dir).
+    p = Podman(Path(tempfile.mkdtemp(prefix="cni-agent-podman-")), system_bus.address,
+               tmp_path / "run" / "shim.sock")
     yield p
     p.close()
 

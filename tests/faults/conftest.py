@@ -1,1 +1,9 @@
-from tests.daemon.conftest import make_agent, permissive_bus, system_bus, testnet  # noqa: F401
+from tests.daemon.conftest import (  # noqa: F401
+    bridge_chain,
+    bridge_name,
+    make_agent,
+    open_dir,
+    permissive_bus,
+    system_bus,
+    testnet,
+)

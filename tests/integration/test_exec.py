@@ -92,7 +92,9 @@ async def test_timeout_kills_the_whole_process_group(plugin_dir: Path, control: 
     start = time.monotonic()
     with pytest.raises(PluginTimeout) as e:
         await _run(plugin_dir, control, timeout=1.0)
-    assert time.monotonic() - start < 5
+    # It ended by its 1 s timeout (the plugin hangs for ever): any finite bound
+    # shows that; a generous one holds on a loaded machine.
+    assert time.monotonic() - start < 10
     assert "timed out after 1s" in str(e.value)
     child = next(r["child"] for r in control.records(None) if "child" in r)
     # The forked child shared the group: it is gone too (no orphan left).

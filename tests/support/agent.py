@@ -144,6 +144,11 @@ class Agent:
         self.notify: NotifySocket | None = None
         self.log_path = tmp / "agent.log"
 
+    @property
+    def shim_socket(self) -> Path:
+        """Where the agent listens for cni-agent-shim (`runtime_dir`/shim.sock)."""
+        return Path(self.config["runtime_dir"]) / "shim.sock"
+
     def write_config(self) -> None:
         self.config_path.write_text(yaml.safe_dump(self.config))
 

@@ -7,10 +7,10 @@ Set for these test machines, each for a measured reason:
 - nofile/nproc ulimits at 1024: podman's defaults are above this machine's
   hard limits, and without CAP_SYS_RESOURCE raising them fails (EPERM).
 - no image: `--rootfs` on a busybox-static tree (nothing to pull).
-- the private bus's address in containers.conf's engine env too: conmon starts
-  `podman container cleanup` (which may be the one that DELs) without the
-  test's environment, but with CONTAINERS_CONF. On a node the system bus is
-  the default and none of this is needed.
+- the private bus's address and the agent's socket in containers.conf's
+  engine env too: conmon starts `podman container cleanup` (which may be the
+  one that DELs) without the test's environment, but with CONTAINERS_CONF. On
+  a node both are the defaults and none of this is needed.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ network_backend = "cni"
 cni_plugin_dirs = ["{bin}", "/usr/lib/cni"]
 network_config_dir = "{net}"
 [engine]
-env = ["DBUS_SYSTEM_BUS_ADDRESS={bus}"]
+env = ["DBUS_SYSTEM_BUS_ADDRESS={bus}", "CNI_AGENT_SHIM_SOCKET={socket}"]
 runtime = "runc"
 cgroup_manager = "cgroupfs"
 events_logger = "file"
@@ -39,7 +39,8 @@ APPLETS = ("sh", "ip", "sleep", "cat")
 
 
 class Podman:
-    def __init__(self, top: Path, bus_address: str) -> None:
+    def __init__(self, top: Path, bus_address: str, shim_socket: Path | None = None) -> None:
+        """`shim_socket`: the agent's socket for the shim (None: the bus alone)."""
         self.top = top
         self.net_dir = top / "net.d"
         bin_dir = top / "cni-bin"
@@ -53,10 +54,13 @@ class Podman:
         for applet in APPLETS:
             os.symlink("busybox", self.rootfs / "bin" / applet)
         conf = top / "containers.conf"
-        conf.write_text(CONTAINERS_CONF.format(bin=bin_dir, net=self.net_dir, bus=bus_address))
+        socket = str(shim_socket or "")
+        conf.write_text(CONTAINERS_CONF.format(bin=bin_dir, net=self.net_dir, bus=bus_address,
+                                               socket=socket))
         self.env = {"PATH": os.environ["PATH"], "CONTAINERS_CONF": str(conf),
-                    # libcni passes its own environment on to plugins: the shim finds the bus.
-                    "DBUS_SYSTEM_BUS_ADDRESS": bus_address}
+                    # libcni passes its own environment on to plugins: the shim finds the
+                    # bus and the agent's socket.
+                    "DBUS_SYSTEM_BUS_ADDRESS": bus_address, "CNI_AGENT_SHIM_SOCKET": socket}
         self.base = ["podman", "--root", str(top / "storage"), "--runroot", str(top / "run")]
 
     def __call__(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:

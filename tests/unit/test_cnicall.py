@@ -113,6 +113,10 @@ def test_agent_errors_map_to_codes_a_runtime_acts_on() -> None:
     assert code(check, AgentError(ErrorKind.NOT_FOUND, "none"))[0] == 3
     assert code(add, AgentError(ErrorKind.NOT_FOUND, "no network x"))[0] == 7
     assert code(add, AgentError(ErrorKind.TIMEOUT, "bridge timed out"))[0] == 999
+    # The agent's own disk: a condition that passes; an ADD refused for it
+    # changed nothing, a DEL answered with it released the network (issue 36).
+    state = AgentError(ErrorKind.STATE_ERROR, "not recorded: the record's removal")
+    assert code(add, state)[0] == 11 and code(ShimCall("DEL", "1.0.0"), state)[0] == 11
 
 
 def test_an_error_raised_from_itself_is_answered() -> None:

@@ -160,7 +160,9 @@ async def test_timed_out_waiter_leaves_the_queue_intact(
     with pytest.raises(LockTimeout) as e:
         async with locks.hold("abc", 0.1):
             pytest.fail("acquired a held lock")
-    assert 0.09 <= time.monotonic() - impatient_start < 2
+    # At least its timeout; and it gave up (the holder never lets go): the
+    # upper bound only needs to be finite, and generous on a loaded machine.
+    assert 0.09 <= time.monotonic() - impatient_start < 10
     assert e.value.key == "abc" and e.value.timeout == 0.1
     assert str(e.value) == "sandbox abc is busy: lock not acquired within 0.1s"
     p = asyncio.create_task(patient())
@@ -387,9 +389,8 @@ async def test_waits_for_another_process_then_acquires(
 
         t = asyncio.create_task(ticker())
         taker = asyncio.create_task(take())
-        await asyncio.sleep(0.2)
+        await eventually(lambda: ticks >= 5)  # the loop runs: polling, not blocking it
         assert not taker.done()
-        assert ticks >= 5  # polling, not blocking the loop
         await release()
         await wait(taker)
         t.cancel()
@@ -412,7 +413,7 @@ async def test_another_process_holding_times_out(
         p = asyncio.create_task(patient())  # queued behind the polling head
         with pytest.raises(LockTimeout) as e:
             await impatient
-        assert 0.19 <= time.monotonic() - start < 2
+        assert 0.19 <= time.monotonic() - start < 10  # its timeout, and it gave up
         assert e.value.key == "abc" and e.value.timeout == 0.2
         await asyncio.sleep(0.05)
         assert not p.done()  # now the head, polling in turn

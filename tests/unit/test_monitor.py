@@ -178,23 +178,57 @@ async def test_wait_ready_returns_at_once_when_ready(env: Env) -> None:
     assert returns_without_waiting(m.wait_ready(0)) is True
 
 
+class Clock:
+    """The monitor's clock, moved by the test: a grace period is measured on
+    it, not on how soon a loaded machine runs the test's next line."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+async def decided(env: Env, action: str, after: int) -> int:
+    """Wait until a STATUS that did `action` answered (after record `after`)
+    and the next STATUS began: a network's polls run one at a time, the next
+    only once the last answer is decided. The record count then."""
+    def seen() -> int:
+        recs = env.control.records(None)
+        ends = [i for i, r in enumerate(recs) if i >= after and r["phase"] == "end"
+                and r["command"] == "STATUS" and r["action"] == action]
+        if ends and any(r["phase"] == "start" and r["command"] == "STATUS"
+                        for r in recs[ends[0] + 1:]):
+            return len(recs)
+        return 0
+
+    await until(seen)
+    return seen()
+
+
 async def test_grace_period_holds_and_resets(env: Env) -> None:
     env.write("10-a.conflist", "alpha")
-    m = await env.start(interval=0.05, grace_period=0.6)
+    clock = Clock()
+    m = await env.start(interval=0.05, grace_period=10, clock=clock)
     assert await m.wait_ready(5)
+    n = len(env.control.records(None))
     env.control.set("STATUS", "fail", code=50, msg="blip")
-    await until(lambda: any(r["command"] == "STATUS" and r.get("action") == "fail"
-                            for r in env.control.records("end")))
-    await asyncio.sleep(0.2)
-    assert m.ready  # within the grace period
+    n = await decided(env, "fail", n)  # the grace period begins
+    clock.advance(9)
+    n = await decided(env, "fail", n)
+    assert m.ready  # 9 s into the 10 s grace period
     env.control.clear("STATUS")  # recovers: the grace timer resets
-    await asyncio.sleep(0.2)
+    n = await decided(env, "succeed", n)
     env.control.set("STATUS", "fail", code=50, msg="down for real")
-    t0 = time.monotonic()
-    await asyncio.sleep(0.3)
+    n = await decided(env, "fail", n)  # a new grace period begins
+    clock.advance(9)  # 18 s after the first failure: over, had it not been reset
+    n = await decided(env, "fail", n)
     assert m.ready  # a new failure starts a new grace period
-    await until(lambda: not m.ready, timeout=3)
-    assert time.monotonic() - t0 >= 0.55
+    clock.advance(1.5)
+    await until(lambda: not m.ready, timeout=5)
     assert "down for real" in m.state.last_error
 
 

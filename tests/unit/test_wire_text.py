@@ -6,7 +6,7 @@ import pytest
 from dbus_fast import Message, MessageType
 
 from cni_agent.api import AgentError, ErrorKind, wire_text
-from cni_agent.service.dbus_service import _sendable
+from cni_agent.service.callers import sendable as _sendable
 
 
 def marshals(text: str) -> bool:

@@ -169,6 +169,10 @@ async def _teardown(client: AgentClient, args: argparse.Namespace, colour: bool)
     return EXIT_OK
 
 
+# The check states after which an attachment may not work as set up: `check` exits 1.
+NEEDS_AN_EYE = ("drifted", "lost", "failed-to-run")
+
+
 async def _check(client: AgentClient, args: argparse.Namespace, colour: bool) -> int:
     if args.netns:  # the contract's `check ID NETNS`: CHECK there, exit 0 if all pass
         await client.check(args.id, args.netns)
@@ -178,7 +182,7 @@ async def _check(client: AgentClient, args: argparse.Namespace, colour: bool) ->
         print(dumps({"attachments": rows}))
     elif rows:
         print(format_checks(rows))
-    return EXIT_FAILED if any(r.get("state") == "drifted" for r in rows) else EXIT_OK
+    return EXIT_FAILED if any(r.get("state") in NEEDS_AN_EYE for r in rows) else EXIT_OK
 
 
 async def _show(client: AgentClient, args: argparse.Namespace, colour: bool) -> int:
@@ -412,13 +416,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = _command(sub, "check", "verify attachments (CNI CHECK) and report drift", """
         Run CNI CHECK now, as the agent's scheduled passes do, for every attachment of
         sandbox ID (of every sandbox without ID), and print each one's state: ok, drifted
-        (its CHECK passed before and fails now), unsupported (its CHECK never passed: no
-        evidence either way), disabled (its network allows no CHECK). With check.repair
-        a drifted attachment is re-created. Exits 1 if any attachment is drifted. With
-        NETNS: CHECK sandbox ID in that namespace and exit 0 only if every CHECK passes.""",
+        (its plugin's CHECK passed before and fails now), unsupported (its CHECK never
+        passed: no evidence either way), disabled (its network allows no CHECK),
+        failed-to-run (the CHECK could not run: a timeout, a plugin that could not
+        start; no verdict, never repaired), lost (a repair removed it and its ADD failed;
+        ADDed again with backoff), repaired-with-new-address. With check.repair a drifted
+        attachment is re-created. Exits 1 if any attachment is drifted, lost or
+        failed-to-run. With NETNS: CHECK sandbox ID in that namespace and exit 0 only if
+        every CHECK passes.""",
         "  $ cni-agent check\n  $ cni-agent check pod-1 /run/netns/pod-1 && echo ok", _check,
         '{"attachments": [{sandbox, network, ifname, state, last_check, reason, repairs, '
-        'drifted_now}]}')
+        'repair, drifted_now}]}')
     p.add_argument("id", metavar="ID", nargs="?", default="",
                    help="the sandbox ID (default: every sandbox)")
     p.add_argument("netns", metavar="NETNS", nargs="?", default="",
@@ -426,7 +434,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = _command(sub, "show", "show a sandbox's cached attachments", """
         Show the cached result of sandbox ID, one line per attachment: network, interface,
         addresses, and for an attachment that drifted (its CHECK passed before and fails
-        now) the time and message of the failing CHECK.""",
+        now) the time and message of the failing CHECK; likewise for a CHECK that failed
+        to run, an attachment lost by a failed repair (and its next ADD), and one a repair
+        gave a new address.""",
         "  $ cni-agent show pod-1 --json | jq '.attachments[].result.ips'",
         _show, "the agent's result, as for setup --json")
     p.add_argument("id", metavar="ID", help="the sandbox ID")

@@ -65,18 +65,31 @@ def format_pod_cidrs(st: AgentStatus) -> str:
     return f"Pod CIDRs: {_list(st.pod_cidrs)}\nSource:    {source}"
 
 
-def _drift_note(check: Mapping[str, Any] | None) -> str:
-    """What an operator must notice about an attachment: its CHECK passed before
-    and fails now (the other states are `cni-agent check`'s to show)."""
-    if check is None or check.get("state") != "drifted":
+def _check_note(check: Mapping[str, Any] | None) -> str:
+    """What an operator must notice about an attachment (the other states are
+    `cni-agent check`'s to show): its CHECK passed before and fails now, its
+    CHECK could not run, it is lost, or a repair gave it another address."""
+    state = check.get("state") if check else None
+    if check is None or state not in ("drifted", "failed-to-run", "lost",
+                                      "repaired-with-new-address"):
         return ""
     since = f" at {check['last_check']}" if check.get("last_check") else ""
-    return f"  drifted (CHECK failed{since}: {check.get('reason') or 'no reason given'})"
+    reason = check.get("reason") or "no reason given"
+    if state == "lost":
+        return (f"  lost (removed by a repair whose ADD failed {check.get('attempts', 1)} "
+                f"time(s): {reason}; next ADD at {check.get('next_try') or '?'})")
+    if state == "repaired-with-new-address":
+        return f"  repaired with a new address ({reason})"
+    if state == "failed-to-run":
+        return f"  check failed to run{since} ({reason})"
+    refused = f"; {check['repair']}" if check.get("repair") else ""
+    return f"  drifted (CHECK failed{since}: {reason}{refused})"
 
 
 def format_attachments(result: SandboxResult) -> str:
-    """One aligned line per attachment: network, ifname, addresses, and drift."""
-    rows = [(a.network, a.ifname, ", ".join(a.addresses) or "-", _drift_note(a.check))
+    """One aligned line per attachment: network, ifname, addresses, and what
+    its CHECKs and repairs found that needs an eye."""
+    rows = [(a.network, a.ifname, ", ".join(a.addresses) or "-", _check_note(a.check))
             for a in result.attachments]
     if not rows:
         return ""
@@ -93,12 +106,24 @@ def format_checks(rows: Sequence[Mapping[str, Any]]) -> str:
     table = [("SANDBOX", "NETWORK", "IFNAME", "CHECK", "LAST CHECK", "REASON")]
     table += [(str(r.get("sandbox", "")), str(r.get("network", "")), str(r.get("ifname", "")),
                str(r.get("state", "")) + (" (repaired)" if r.get("repairs") else ""),
-               str(r.get("last_check") or "-"),
-               str(r.get("reason") or "-") if r.get("state") != "ok" else "-")
+               str(r.get("last_check") or "-"), _why(r))
               for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(5)]
     return "\n".join("  ".join(f"{c:<{w}}" for c, w in zip(row[:5], widths, strict=True))
                      + f"  {row[5]}" for row in table)
+
+
+def _why(row: Mapping[str, Any]) -> str:
+    """`check`'s REASON column: the last failure, what the last repair did, a
+    lost attachment's next ADD; "-" for an attachment that is plainly ok."""
+    if row.get("state") == "ok":
+        return "-"
+    why = str(row.get("reason") or "-")
+    if row.get("repair") and row.get("repair") != row.get("reason"):
+        why += f"; {row['repair']}"
+    if row.get("state") == "lost":
+        why += f"; next ADD at {row.get('next_try') or '?'}"
+    return why
 
 
 def format_change(st: AgentStatus, when: datetime, colour: bool) -> str:

@@ -49,6 +49,11 @@ class CacheError(CNIError):
     """The result cache could not be read or written."""
 
 
+class EntryKept(CacheError):
+    """A DEL chain succeeded, but its cache entry could not be removed (the
+    state dir full or read-only): the network is released, the entry is not."""
+
+
 class NoCachedResult(CNIError):
     """CHECK of an attachment that has no cached ADD result."""
 

@@ -20,8 +20,10 @@ from cni_agent.cni.args import format_cni_args
 from cni_agent.cni.cache import CachedAttachment, ResultCache
 from cni_agent.cni.config import SHIM_TYPE, NetworkConfigList, PluginConf, parse_list_or_none
 from cni_agent.cni.errors import (
+    CacheError,
     CNIError,
     ConfigError,
+    EntryKept,
     ExecError,
     NoCachedResult,
     PluginBadOutput,
@@ -336,7 +338,10 @@ class CNIRuntime:
                 raise
             await self._delete_chain(net, replace(rt, args=(("IgnoreUnknown", "1"), *rt.args)),
                                      prev, deadline)
-        self.cache.delete(net.name, rt.container_id, rt.ifname)  # an unlink: no thread hop
+        try:
+            self.cache.delete(net.name, rt.container_id, rt.ifname)  # an unlink: no thread hop
+        except CacheError as e:
+            raise EntryKept(f"the DEL succeeded, but {e}") from e
 
     async def _delete_chain(self, net: NetworkConfigList, rt: RuntimeConf,
                             prev: Mapping[str, Any] | None, deadline: ChainDeadline) -> None:

@@ -45,6 +45,7 @@ __all__ = [
     "check_netns",
     "interfaces",
     "is_netns",
+    "loopback_down",
     "loopback_up",
     "netns_identity",
     "pin",
@@ -517,11 +518,11 @@ _IFREQ_INDEX = struct.Struct("16si20x")  # ...or the index
 SIOCGIFINDEX = 0x8933
 
 
-def _prepare(target: Pinned, ifnames: Sequence[str], loopback: bool) -> list[str]:
+def _prepare(target: Pinned, ifnames: Sequence[str], loopback: bool) -> tuple[list[str], bool]:
     """Which of `ifnames` exist in the namespace; when none does and
-    `loopback`, `lo` is set up (what `ip link set lo up` does). Ioctls on one
-    socket made inside the namespace: no netlink (pyroute2 cost ~1 ms of CPU
-    per Setup), a few syscalls."""
+    `loopback`, `lo` is set up (what `ip link set lo up` does), and whether
+    this call did that. Ioctls on one socket made inside the namespace: no
+    netlink (pyroute2 cost ~1 ms of CPU per Setup), a few syscalls."""
     try:
         sock = _inside(target, lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
     except OSError as e:
@@ -537,22 +538,47 @@ def _prepare(target: Pinned, ifnames: Sequence[str], loopback: bool) -> list[str
                         raise
                 else:
                     present.append(ifname)
+            raised = False
             if loopback and not present:
-                req = fcntl.ioctl(sock, SIOCGIFNAME, _IFREQ_INDEX.pack(b"", _LOOPBACK_IFINDEX))
-                name = _IFREQ_INDEX.unpack(req)[0]
-                _, flags = _IFREQ.unpack(fcntl.ioctl(sock, SIOCGIFFLAGS, _IFREQ.pack(name, 0)))
+                name, flags = _loopback_flags(sock)
                 if not flags & _IFF_UP:
                     fcntl.ioctl(sock, SIOCSIFFLAGS, _IFREQ.pack(name, flags | _IFF_UP))
-            return present
+                    raised = True
+            return present, raised
     except OSError as e:
         raise NetnsError(target.path, str(e)) from e
 
 
-def prepare(target: Pinned, ifnames: Sequence[str], loopback: bool) -> list[str]:
+def _loopback_flags(sock: socket.socket) -> tuple[bytes, int]:
+    req = fcntl.ioctl(sock, SIOCGIFNAME, _IFREQ_INDEX.pack(b"", _LOOPBACK_IFINDEX))
+    name = _IFREQ_INDEX.unpack(req)[0]
+    _, flags = _IFREQ.unpack(fcntl.ioctl(sock, SIOCGIFFLAGS, _IFREQ.pack(name, 0)))
+    return name, flags
+
+
+def prepare(target: Pinned, ifnames: Sequence[str], loopback: bool) -> tuple[list[str], bool]:
     """Before a Setup's first plugin: the requested interfaces already in the
     namespace (a Setup must not take over, or roll back, what it did not
-    create), else `lo` up when `loopback`; blocking."""
+    create), else `lo` up when `loopback`, and whether this call brought it
+    up (`loopback_down` undoes that when the Setup fails); blocking."""
     return _prepare(target, ifnames, loopback)
+
+
+def loopback_down(target: Pinned) -> bool:
+    """Set `lo` down again, as a failed Setup that brought it up found it,
+    unless the namespace now holds another link (another sandbox's, set up
+    meanwhile in the same namespace, relies on it); blocking. Whether it did."""
+    try:
+        names = [n for _, n in _inside(target, socket.if_nameindex)]
+        if any(n != "lo" for n in names):
+            return False
+        with _inside(target, lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM)) as sock:
+            name, flags = _loopback_flags(sock)
+            if flags & _IFF_UP:
+                fcntl.ioctl(sock, SIOCSIFFLAGS, _IFREQ.pack(name, flags & ~_IFF_UP))
+            return True
+    except OSError as e:
+        raise NetnsError(target.path, str(e)) from e
 
 
 def loopback_up(target: Pinned | str) -> None:

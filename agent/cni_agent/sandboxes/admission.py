@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from cni_agent.cni.errors import InvalidArgument
 from cni_agent.sandboxes.policy import Caller, Policy, denied, host_ports
 from cni_agent.sandboxes.records import SandboxRecord, SandboxStore
 
@@ -57,7 +58,7 @@ class Admission:
     async def _check(self, caller: Caller, policy: Policy, sandbox_id: str, claim: _Claim) -> None:
         prefix = Policy.own_prefix(caller)
         if claim.new_sandbox:
-            held = {sid for sid in await asyncio.to_thread(self.store.ids, prefix)}
+            held = set(await asyncio.to_thread(self.store.ids, prefix))
             held |= {sid for sid, c in self._claims.items() if c.uid == caller.uid and c.new_sandbox}
             held.discard(sandbox_id)
             policy.quota(caller, len(held))
@@ -73,7 +74,7 @@ def _mapped(rec: SandboxRecord) -> set[tuple[int, str]]:
     for att in rec.attachments:
         try:
             out |= host_ports(att.capabilities)
-        except Exception:  # a root caller's malformed entry maps nothing a plugin accepted
+        except InvalidArgument:  # a root caller's malformed entry maps nothing a plugin accepted
             continue
     return out
 

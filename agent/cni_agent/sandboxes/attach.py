@@ -37,10 +37,12 @@ from cni_agent.sandboxes.manager import (
     DEFAULT_IFNAME,
     NetworkRequest,
     SandboxManager,
+    lost_error,
     no_netns,
     rollback_error,
     shown,
     unless_hung,
+    unrecorded_error,
     validate_removal_netns,
 )
 from cni_agent.sandboxes.order import Kind
@@ -157,7 +159,7 @@ class Attachments:
             with m.journal.claiming(req.sandbox_id, [att]):
                 try:
                     # A new sandbox: lo first, before an intent exists (nothing to undo).
-                    rec = await m.journal.begin_add(rec, [att], ns, loopback=new)
+                    rec, lo = await m.journal.begin_add(rec, [att], ns, loopback=new)
                 except NetnsError as e:
                     raise AgentError(ErrorKind.PLUGIN_FAILED, f"cannot bring up lo: {e}") from e
                 try:
@@ -165,7 +167,9 @@ class Attachments:
                 except CNIError as e:
                     log.warning("ADD of %s/%s for %s failed, rolling back: %s", att.network,
                                 att.ifname, req.sandbox_id, e)
-                    _, undo = await m.journal.remove(rec, [att.ifname], ns)
+                    undo = await m.journal.remove(rec, [att.ifname], ns)
+                    if lo:  # this call brought lo up: the namespace as it found it
+                        await m.journal.loopback_down(req.sandbox_id, ns)
                     raise rollback_error(e, undo) from e
         return attachment_document(req.sandbox_id, att.network, att.ifname, result)
 
@@ -175,6 +179,8 @@ class Attachments:
         same = (existing.network, existing.args, dict(existing.capabilities), existing.origin) == \
             (new.network, new.args, dict(new.capabilities), new.origin)
         entry = entries.get((existing.network, existing.ifname))
+        if same and existing.lost is not None:
+            raise lost_error(sandbox_id, existing)
         if not same or existing.phase is not Phase.READY or entry is None:
             raise AgentError(ErrorKind.INVALID_ARGUMENT,
                              f"sandbox {sandbox_id} already has {existing.ifname} on network "
@@ -229,11 +235,13 @@ class Attachments:
 
     async def _remove(self, rec: SandboxRecord, ifname: str, ns: Pinned | None,
                       entries: Mapping[tuple[str, str], CachedAttachment]) -> None:
-        _, errors = await self.m.journal.remove(rec, [ifname], ns, entries)
-        if errors:
+        removal = await self.m.journal.remove(rec, [ifname], ns, entries)
+        if removal.errors:
             raise AgentError(ErrorKind.PLUGIN_FAILED,
                              f"DEL of {ifname} of {rec.sandbox_id} incomplete, its cache entry "
-                             f"is kept: {errors[0]}")
+                             f"is kept: {removal.errors[0]}")
+        if removal.unrecorded:
+            raise unrecorded_error(f"DEL of {ifname} of {rec.sandbox_id}", removal)
         log.info("sandbox %s: %s removed", rec.sandbox_id, ifname)
 
     # --- CHECK ----------------------------------------------------------------------
@@ -264,6 +272,8 @@ class Attachments:
             raise AgentError(ErrorKind.INVALID_ARGUMENT,
                              f"sandbox {sandbox_id} is set up in netns {rec.netns}, not {ns.path}")
         entry = entries.get((att.network, att.ifname))
+        if att.lost is not None:
+            raise lost_error(sandbox_id, att)
         if entry is None:
             raise NoCachedResult(f"sandbox {sandbox_id}: no cached result for "
                                  f"{att.network}/{att.ifname}")

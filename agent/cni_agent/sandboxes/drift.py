@@ -10,6 +10,10 @@ and a request arriving on that sandbox while its CHECK runs stops the CHECK
 (its plugin killed; a CHECK changes nothing) and gets the lock at once. The
 sandbox is looked at again in the next pass. Passes are spread by jitter so
 nodes that started together do not CHECK in step.
+
+Attachments a failed repair left lost are ADDed again here, each when its
+backoff is over (`Checks.retry_lost`), whether CHECK passes run or not, from
+their records: across restarts too.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,6 +68,9 @@ class DriftPasses:
         self._pending: dict[str, float] = {}  # sandbox → when its ADD ended
         self._last_add = 0.0
         self._baselines: asyncio.Task[None] | None = None
+        self._lost_task: asyncio.Task[None] | None = None
+        self._lost_wake = asyncio.Event()
+        manager.checks.on_lost = self._lost_wake.set
 
     @property
     def on(self) -> bool:
@@ -71,6 +79,8 @@ class DriftPasses:
     def start(self) -> None:
         if self.on and self._task is None:
             self._task = asyncio.create_task(self._every(), name="cni-agent-check-passes")
+        if self._lost_task is None:  # what an earlier run lost, and what is lost from now
+            self._lost_task = asyncio.create_task(self._retry_lost(), name="cni-agent-lost-retries")
 
     def trigger(self, why: str) -> None:
         """Run a pass now (firewalld reloaded or restarted); one already waiting absorbs it."""
@@ -91,7 +101,7 @@ class DriftPasses:
                                                   name="cni-agent-baseline-checks")
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._task, self._baselines) if t is not None]
+        tasks = [t for t in (self._task, self._baselines, self._lost_task) if t is not None]
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -196,6 +206,81 @@ class DriftPasses:
                             **check_document(att, m.checks.last_check(sid, att)),
                             "drifted_now": (sid, att.ifname) in drifted})
         return out
+
+    # --- lost attachments --------------------------------------------------------------
+
+    async def _retry_lost(self) -> None:
+        """ADD each lost attachment again once its backoff is over; sleep until
+        the next one is due, or a repair loses one."""
+        await self.manager.reaper.recovered.wait()
+        while True:
+            self._lost_wake.clear()
+            try:
+                due = await self.retry_lost_due()
+            except Exception:  # a round that broke must not end all later ones
+                log.exception("retrying lost attachments failed")
+                due = time.time() + self.manager.checks.retry_base
+            delay = None if due is None else max(0.0, due - time.time())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._lost_wake.wait(), delay)
+
+    async def retry_lost_due(self) -> float | None:
+        """One round: retry the lost attachments whose time has come; when the
+        next one is due (epoch seconds), None when none is lost."""
+        due, soonest = await self._lost_schedule()
+        later = [await self._retry_sandbox(sid) for sid in due]
+        if not due:
+            return soonest
+        # Their next tries, as the retries recorded them; one still due was not
+        # looked at (busy: in a second; it failed: after the first backoff).
+        again, soonest = await self._lost_schedule()
+        return time.time() + min(later) if again else soonest
+
+    async def _lost_schedule(self) -> tuple[list[str], float | None]:
+        """The sandboxes with a lost attachment due now, and when the next one
+        not due yet is (None: none)."""
+        records, _ = await asyncio.to_thread(self.manager.journal.store.all)
+        now = time.time()
+        due: set[str] = set()
+        later: list[float] = []
+        for r in records:
+            for a in r.attachments:
+                if a.lost is None or r.phase is not Phase.READY:
+                    continue
+                if a.lost.next_try <= now:
+                    due.add(r.sandbox_id)
+                else:
+                    later.append(a.lost.next_try)
+        return sorted(due), min(later, default=None)
+
+    async def _retry_sandbox(self, sid: str) -> float:
+        """Retry the due lost attachments of one sandbox, if its lock is free
+        (a request on it goes first); when to look again if they are still due."""
+        m = self.manager
+        try:
+            with m.order.arrive(sid, Kind.BACKGROUND) as ticket:
+                if ticket.superseded.is_set() or m.locks.busy(sid):
+                    return 1.0
+                async with m.locks.hold(sid, 0):
+                    rec, entries = await m.journal.view(sid)
+                    if rec is None or rec.phase is not Phase.READY:
+                        return 1.0  # torn down (or being): nothing to retry
+                    async with m.journal.live_netns(rec, entries) as ns:
+                        if ns is None:
+                            return 1.0  # its namespace is gone: the reaper's
+                        now = time.time()
+                        for att in rec.attachments:
+                            current = rec.attachment(att.ifname)
+                            if current is not None and current.lost is not None and \
+                                    current.lost.next_try <= now:
+                                _, rec = await m.checks.retry_lost(rec, current, ns)
+            return 1.0
+        except LockTimeout:
+            return 1.0
+        except (*UNANSWERED, AgentError, CNIError) as e:
+            log.warning("lost attachments of sandbox %s not retried now (again in %gs): %s",
+                        sid, m.checks.retry_base, e)
+            return m.checks.retry_base
 
     async def _sandbox(self, sid: str, report: PassReport, *, wait: float, background: bool,
                        unchecked_only: bool = False) -> None:

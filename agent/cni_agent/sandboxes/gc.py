@@ -27,15 +27,15 @@ from dataclasses import dataclass, field
 
 from cni_agent.cni.cache import CachedAttachment, ResultCache
 from cni_agent.cni.config import NetworkConfigList
-from cni_agent.cni.errors import CNIError
+from cni_agent.cni.errors import CacheError, CNIError
 from cni_agent.cni.logctx import log_fields
 from cni_agent.cni.result import version_at_least
 from cni_agent.node.blocking import UNANSWERED
 from cni_agent.node.locks import LockTimeout, NetworkLocks, SandboxLocks
 from cni_agent.node.netns import Pinned
-from cni_agent.sandboxes.journal import Journal, Unconfirmed
+from cni_agent.sandboxes.journal import Journal, Removal, Unconfirmed
 from cni_agent.sandboxes.order import Kind, Sequencer
-from cni_agent.sandboxes.records import Phase, SandboxRecord, StateUnavailable
+from cni_agent.sandboxes.records import Phase, SandboxRecord
 
 log = logging.getLogger(__name__)
 # Seconds a reaping waits for a scheduled CHECK to yield the lock (it stops at
@@ -51,6 +51,9 @@ class GCReport:
     unconfirmed: list[str] = field(default_factory=list)  # the recorded inode, unconfirmed: kept
     deferred: list[str] = field(default_factory=list)  # networks whose GC verb waits for a quiet instant
     errors: list[str] = field(default_factory=list)
+    # Removals done, but not recorded (the state dir full or read-only): each
+    # also in `errors`; a pass finishes them once the disk takes the writes.
+    unrecorded: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -198,14 +201,14 @@ class Reaper:
                     if rec is None or not doomed or self.journal.born_after(sid, since):
                         return
                     async with self.journal.live_netns(rec, entries) as ns:
-                        left, errors = await self.journal.remove(rec, doomed, ns, entries)
-                    kept = {a.ifname for a in left.attachments} if left else set()
+                        removal = await self.journal.remove(rec, doomed, ns, entries)
+                    kept = {a.ifname for a in removal.left.attachments} if removal.left else set()
                     report.deleted.extend((a.network, sid, a.ifname) for a in rec.attachments
                                           if a.ifname in doomed and a.ifname not in kept)
-                    self._account(report, sid, errors)
+                    self._account(report, sid, removal)
         except LockTimeout:
             report.busy.append(sid)
-        except (*UNANSWERED, StateUnavailable) as e:
+        except (*UNANSWERED, CacheError) as e:
             report.errors.append(f"sandbox {sid}: not looked at: {e}")
 
     async def stop(self) -> None:
@@ -294,8 +297,8 @@ class Reaper:
             report.busy.append(sid)  # an operation is under way: not stale now
         except Unconfirmed:
             report.unconfirmed.append(sid)
-        except (*UNANSWERED, StateUnavailable) as e:
-            # Alive or not is unknown, or its record cannot be read now: next GC.
+        except (*UNANSWERED, CacheError) as e:
+            # Alive or not is unknown, or its record cannot be read (or written) now: next GC.
             report.errors.append(f"sandbox {sid}: not looked at: {e}")
 
     async def _reap_locked(self, sid: str, rec: SandboxRecord | None,
@@ -303,8 +306,8 @@ class Reaper:
                            valid_ids: Collection[str] | None, report: GCReport) -> None:
         unfinished = [a.ifname for a in rec.attachments if a.phase is not Phase.READY] if rec else []
         if rec is not None and unfinished:
-            _, errors = await self.journal.remove(rec, unfinished, netns, entries)
-            self._account(report, sid, errors, rolled_back=True)
+            self._account(report, sid, await self.journal.remove(rec, unfinished, netns, entries),
+                          rolled_back=True)
             rec, entries = await self.journal.view(sid)
         foreign = [e for e in entries.values() if not _in(rec, e)]
         unlisted = valid_ids is not None and sid not in valid_ids
@@ -325,17 +328,20 @@ class Reaper:
         claimed = await self.journal.claim(sid, rec, {(e.network, e.ifname): e for e in stale})
         # A namespace still the recorded one gets its DEL (the caller may have
         # declared a live sandbox invalid); any other path, none.
-        left, errors = await self.journal.remove(claimed, doomed, netns, entries)
-        kept = {a.ifname for a in left.attachments} if left else set()
+        removal = await self.journal.remove(claimed, doomed, netns, entries)
+        kept = {a.ifname for a in removal.left.attachments} if removal.left else set()
         report.deleted.extend((a.network, sid, a.ifname) for a in claimed.attachments
                               if a.ifname in doomed and a.ifname not in kept)
-        self._account(report, sid, errors)
+        self._account(report, sid, removal)
 
     @staticmethod
-    def _account(report: GCReport, sid: str, errors: list[str], rolled_back: bool = False) -> None:
-        if errors:
-            report.errors.extend(f"sandbox {sid}: {e}" for e in errors)
-        elif rolled_back:
+    def _account(report: GCReport, sid: str, removal: Removal, rolled_back: bool = False) -> None:
+        if removal.unrecorded:
+            report.unrecorded.append(f"sandbox {sid}: {removal.unrecorded}")
+            report.errors.append(f"sandbox {sid}: {removal.unrecorded}")
+        if removal.errors:
+            report.errors.extend(f"sandbox {sid}: {e}" for e in removal.errors)
+        elif rolled_back and not removal.unrecorded:
             report.rolled_back.append(sid)
             log.info("rolled back the unfinished attachments of sandbox %s", sid,
                      extra={"SANDBOX_ID": sid})

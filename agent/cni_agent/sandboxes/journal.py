@@ -17,19 +17,27 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
 from cni_agent.cni.cache import CachedAttachment
 from cni_agent.cni.config import NetworkConfigList, parse_list_or_none
-from cni_agent.cni.errors import CNIError, ConfigError, InvalidArgument
+from cni_agent.cni.errors import CacheError, CNIError, ConfigError, EntryKept, InvalidArgument
 from cni_agent.cni.logctx import log_fields
 from cni_agent.cni.result import with_sandbox
 from cni_agent.cni.runtime import CNIRuntime, RuntimeConf
 from cni_agent.node.blocking import PathWorker
 from cni_agent.node.locks import NetworkLocks
-from cni_agent.node.netns import NetnsError, NetnsId, NetnsUnknown, Pinned, interfaces, prepare
+from cni_agent.node.netns import (
+    NetnsError,
+    NetnsId,
+    NetnsUnknown,
+    Pinned,
+    interfaces,
+    loopback_down,
+    prepare,
+)
 from cni_agent.sandboxes.records import Attachment, DamagedRecord, Phase, SandboxRecord, SandboxStore
 
 log = logging.getLogger(__name__)
@@ -52,6 +60,18 @@ def recorded_links(rec: SandboxRecord, entries: Entries) -> dict[str, str]:
                     and iface.get("sandbox") and iface.get("mac")):
                 out[a.ifname] = str(iface["mac"]).lower()
     return out
+
+
+@dataclass(frozen=True)
+class Removal:
+    """What `Journal.remove` did."""
+
+    left: SandboxRecord | None  # what is left of the record (None: nothing, its file is gone)
+    errors: list[str] = field(default_factory=list)  # DELs that failed: kept, to be retried
+    # What the disk did not take, the DELs having run (full, read-only): "" when
+    # all was recorded. Those attachments show "deleting" until a write records
+    # it (`SandboxStore.unrecorded`); the next reaping pass finishes them.
+    unrecorded: str = ""
 
 
 class Identity(Enum):
@@ -219,9 +239,14 @@ class Journal:
             if verdict is Identity.UNCONFIRMED:
                 raise Unconfirmed(rec.netns)
             if stronger and confirm:
-                await self._save(replace(rec, netns_id=ns.identity))
-                log.info("sandbox %s: netns %s confirmed; its record now carries the kernel's "
-                         "namespace id", rec.sandbox_id, rec.netns)
+                try:
+                    await self._save(replace(rec, netns_id=ns.identity))
+                except CacheError as e:  # a full disk must not stop a Teardown: later
+                    log.warning("sandbox %s: netns %s confirmed, but its stronger id is not "
+                                "recorded: %s", rec.sandbox_id, rec.netns, e)
+                else:
+                    log.info("sandbox %s: netns %s confirmed; its record now carries the "
+                             "kernel's namespace id", rec.sandbox_id, rec.netns)
             yield ns if verdict is Identity.SAME else None
 
     async def _save(self, rec: SandboxRecord) -> None:
@@ -250,32 +275,44 @@ class Journal:
                 del self._claims[path]
 
     async def begin_add(self, rec: SandboxRecord, new: Sequence[Attachment], ns: Pinned,
-                        loopback: bool = False) -> SandboxRecord:
-        """Write the intent of `new` durably, before any of their plugins runs.
+                        loopback: bool = False) -> tuple[SandboxRecord, bool]:
+        """Write the intent of `new` durably, before any of their plugins runs;
+        the record, and whether `lo` was brought up (by this call: it was down).
 
         First, in the same worker call (one thread hop): none of `new`'s
         interfaces may be in the namespace (InterfaceExists), none of their
         cache entries another attachment's (CacheCollision), and with
         `loopback` (a new sandbox) `lo` is brought up (NetnsError if it cannot
-        be). Whatever is raised, nothing was written, so nothing is to undo.
+        be). Whatever is raised, nothing was written and `lo` is as it was, so
+        nothing is to undo.
         """
         begun = rec.with_attachments((*rec.attachments, *new))
         cache = self.runtime.cache
 
-        def work() -> None:
-            present = prepare(ns, [a.ifname for a in new], loopback)
-            if present:
-                raise InterfaceExists(present, rec.netns)
-            for a in new:
-                if not cache.free_for(a.network, rec.sandbox_id, a.ifname):
-                    raise CacheCollision(a.network, a.ifname)
-            self.store.write(begun)
+        def work() -> bool:
+            present, raised = prepare(ns, [a.ifname for a in new], loopback)
+            try:
+                if present:
+                    raise InterfaceExists(present, rec.netns)
+                for a in new:
+                    if not cache.free_for(a.network, rec.sandbox_id, a.ifname):
+                        raise CacheCollision(a.network, a.ifname)
+                self.store.write(begun)
+            except BaseException:
+                if raised:
+                    _lo_down(ns, rec.sandbox_id)
+                raise
+            return raised
 
-        await asyncio.to_thread(work)
+        raised = await asyncio.to_thread(work)
         if not rec.attachments:
             self.generation += 1
             self._born[rec.sandbox_id] = self.generation
-        return begun
+        return begun, raised
+
+    async def loopback_down(self, sandbox_id: str, ns: Pinned) -> None:
+        """A failed Setup that brought `lo` up leaves it as it found it: down."""
+        await asyncio.to_thread(_lo_down, ns, sandbox_id)
 
     async def add(self, rec: SandboxRecord, att: Attachment, net: NetworkConfigList,
                   ns: Pinned, commit: Collection[str] = (),
@@ -301,33 +338,55 @@ class Journal:
         with log_fields(NETWORK=att.network, IFNAME=att.ifname):
             return await self.runtime.check(net, rt, prev_result=_as_plugin_sees(entry.result, ns))
 
-    async def recreate(self, rec: SandboxRecord, att: Attachment, entry: CachedAttachment,
-                       ns: Pinned, capabilities: Mapping[str, Any]
-                       ) -> tuple[SandboxRecord, dict[str, Any]]:
-        """DEL, then ADD again, one ready attachment (a drift repair), in its place
-        in the record, with its recorded config and args and `capabilities`.
+    async def recreate(self, rec: SandboxRecord, att: Attachment, entry: CachedAttachment | None,
+                       ns: Pinned, capabilities: Mapping[str, Any],
+                       lost: Callable[[CNIError], Attachment],
+                       ) -> tuple[SandboxRecord, dict[str, Any] | CNIError]:
+        """DEL, then ADD again, one ready (or lost) attachment — a drift repair
+        or its retry — in its place in the record, with its recorded config and
+        args and `capabilities`. The record, and the new result or the ADD's error.
 
         Each step goes through the write-ahead record, so a crash anywhere
-        leaves nothing a restart does not finish or undo. CNIError when the DEL
-        fails (the attachment stays, "deleting", for the next reaping pass) or
-        the ADD does (rolled back: the attachment is gone)."""
+        leaves nothing a restart does not finish or undo. When the DEL fails,
+        or the ADD does (rolled back: DEL), the attachment stays in the record
+        as `lost(error)`: ready, with no cache entry, to be retried (DEL first).
+        CacheError when the disk does not take the DEL's record: the attachment
+        reads "deleting" and the next reaping pass finishes its removal."""
         net = self._config_for(att, entry)
         index = rec.attachments.index(att)
-        left, errors = await self.remove(rec, [att.ifname], ns, {(att.network, att.ifname): entry})
-        if errors:
-            raise CNIError(f"DEL before the new ADD failed: {errors[0]}")
+        removal = await self.remove(rec, [att.ifname], ns,
+                                    {(att.network, att.ifname): entry} if entry else {})
+        if removal.unrecorded:
+            raise CacheError(f"DEL before the new ADD: {removal.unrecorded}")
+        if removal.errors:  # still in the record, "deleting": lost instead, retried
+            failed = CNIError(f"DEL before the new ADD failed: {removal.errors[0]}")
+            base = removal.left or rec
+            kept = base.with_attachments(lost(failed) if a.ifname == att.ifname else a
+                                         for a in base.attachments)
+            await self._save(kept)
+            return kept, failed
+        left = removal.left
         others = list(left.attachments) if left else []
         # The record keeps the caller's capabilities (a runtime's repeat ADD is
         # compared with them); only this ADD asks for the same IPs and MAC.
-        new = replace(att, phase=Phase.ADDING, check=None)
+        new = replace(att, phase=Phase.ADDING, check=None, lost=None)
         begun = (left or rec).with_attachments([*others[:index], new, *others[index:]])
         await self._save(begun)
         try:
             result = await self.add(begun, new, net, ns, commit=[att.ifname],
                                     capabilities=capabilities)
-        except CNIError:
-            await self.remove(begun, [att.ifname], ns)
-            raise
+        except CNIError as e:
+            # Its rollback DEL (the spec requires it), then one write: still in
+            # the record, lost. A failed rollback DEL is the retry's first DEL.
+            try:
+                await self._delete(rec.sandbox_id, new, ns, None)
+            except CNIError as undo:
+                log.warning("sandbox %s: DEL after the failed ADD of %s/%s failed (retried "
+                            "with it): %s", rec.sandbox_id, att.network, att.ifname, undo)
+            kept = begun.with_attachments(lost(e) if a.ifname == att.ifname else a
+                                          for a in begun.attachments)
+            await self._save(kept)
+            return kept, e
         return begun.with_phase(Phase.READY, [att.ifname]), result
 
     async def save(self, rec: SandboxRecord) -> None:
@@ -345,7 +404,9 @@ class Journal:
 
         Cache entries no record mentions (another tool, an older run) are
         adopted in phase "deleting", so a crash while removing them is
-        finished at the next start like any other interrupted removal.
+        finished at the next start like any other interrupted removal. A disk
+        that does not take the write does not stop the removal (DEL is
+        idempotent; the entries stay until it succeeds, and say what to DEL).
         """
         base = rec or SandboxRecord(sandbox_id, netns, identity, ())
         known = {(a.network, a.ifname) for a in base.attachments}
@@ -355,46 +416,79 @@ class Journal:
         if not extra and rec is not None:
             return rec
         claimed = base.with_attachments((*base.attachments, *extra))
-        await self._save(claimed)
+        try:
+            await self._save(claimed)
+        except CacheError as e:
+            log.warning("sandbox %s: removing %s without recording it first: %s", sandbox_id,
+                        ", ".join(f"{a.network}/{a.ifname}" for a in extra), e)
         return claimed
 
     async def remove(
         self, rec: SandboxRecord, ifnames: Collection[str] | None, ns: Pinned | None,
         entries: Entries | None = None, *, unstarted: Collection[str] = (),
-    ) -> tuple[SandboxRecord | None, list[str]]:
+    ) -> Removal:
         """DEL the attachments `ifnames` (all when None), last added first, in
         the pinned namespace (None: with an empty netns).
 
         Ready ones are marked "deleting" first. `unstarted` attachments never
-        ran a plugin: they leave the record without a DEL. Returns what is left
-        of the record (None: nothing, its file is gone) and the errors; an
-        attachment whose DEL failed stays, to be retried.
+        ran a plugin: they leave the record without a DEL. An attachment whose
+        DEL failed stays, to be retried. A disk that does not take the mark
+        (full, read-only) does not stop the DELs: DEL is idempotent, and a
+        network is worth more than its bookkeeping; what was not recorded is
+        reported (`Removal.unrecorded`) and shown "deleting" until it is.
         """
+        sid = rec.sandbox_id
         targets = [a for a in rec.attachments
                    if (ifnames is None or a.ifname in ifnames) and a.ifname not in unstarted]
         marking = [a.ifname for a in targets if a.phase is Phase.READY]
+        missed: list[str] = []  # what the disk did not take, and is still not on it
+        failure: CacheError | None = None
+        unmarked = False
         if marking:
             rec = rec.with_phase(Phase.DELETING, marking)
-            await self._save(rec)
+            try:
+                await self._save(rec)
+            except CacheError as e:
+                self.store.unrecorded(sid, [a.ifname for a in targets])
+                unmarked = True
+                failure = e
+                log.warning("sandbox %s: DEL of %s without its \"deleting\" mark, which the "
+                            "disk did not take: %s", sid, ", ".join(marking), e)
         if entries is None:
-            entries = (await self.view(rec.sandbox_id))[1]
+            entries = (await self.view(sid))[1]
         errors: list[str] = []
         gone = set(unstarted)
         for att in reversed(targets):
             try:
-                await self._delete(rec.sandbox_id, att, ns, entries.get((att.network, att.ifname)))
+                await self._delete(sid, att, ns, entries.get((att.network, att.ifname)))
+            except EntryKept as e:  # released; only its entry is left
+                gone.add(att.ifname)
+                missed.append(f"the removal of the cache entry of {att.network}/{att.ifname}")
+                failure = failure or e
             except CNIError as e:
                 errors.append(f"{att.network}/{att.ifname}: {e}")
             else:
                 gone.add(att.ifname)
         left = [a for a in rec.attachments if a.ifname not in gone]
-        if left:
-            kept = rec.with_attachments(left)
-            await self._save(kept)
-            return kept, errors
-        self.store.delete(rec.sandbox_id)
-        self._born.pop(rec.sandbox_id, None)
-        return None, errors
+        kept = rec.with_attachments(left) if left else None
+        try:
+            if kept is not None:
+                await self._save(kept)
+            else:
+                self.store.delete(sid)
+                self._born.pop(sid, None)
+        except CacheError as e:
+            self.store.unrecorded(sid, [a.ifname for a in targets])
+            # The mark matters only now: a record written at the end says all of it.
+            missed[:0] = ['the "deleting" mark'] if unmarked else []
+            missed.append("the record's " + ("update" if kept is not None else "removal"))
+            failure = failure or e
+        unrecorded = ""
+        if missed:
+            unrecorded = f"not recorded: {_and(missed)} ({_cause(failure)})"
+            log.warning("sandbox %s: %s; the next reaping pass finishes it once the disk allows",
+                        sid, unrecorded)
+        return Removal(kept, errors, unrecorded)
 
     async def _delete(self, sandbox_id: str, att: Attachment, ns: Pinned | None,
                       entry: CachedAttachment | None) -> None:
@@ -423,6 +517,28 @@ class Journal:
                 self._parsed.clear()
             self._parsed[data] = parse_list_or_none(data, f"recorded config of {source}")
         return self._parsed[data]
+
+
+def _lo_down(ns: Pinned, sandbox_id: str) -> None:
+    try:
+        if loopback_down(ns):
+            log.info("sandbox %s: lo set down again, as the failed Setup found it", sandbox_id)
+    except NetnsError as e:  # the Setup's own error is the one to report
+        log.warning("sandbox %s: cannot set lo down again after the failed Setup: %s",
+                    sandbox_id, e)
+
+
+def _and(items: Sequence[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def _cause(e: BaseException | None) -> str:
+    """The OS's words for a disk failure ("No space left on device")."""
+    while e is not None and not isinstance(e, OSError):
+        e = e.__cause__
+    if e is None:
+        return "unknown cause"
+    return e.strerror or str(e)
 
 
 def _conf(sandbox_id: str, att: Attachment, ns: Pinned | None) -> RuntimeConf:

@@ -41,11 +41,11 @@ from cni_agent.sandboxes.admission import Admission
 from cni_agent.sandboxes.checks import Checks
 from cni_agent.sandboxes.errors import classified, classify
 from cni_agent.sandboxes.gc import Reaper
-from cni_agent.sandboxes.journal import Journal, is_recorded
+from cni_agent.sandboxes.journal import Journal, Removal, is_recorded
 from cni_agent.sandboxes.order import Kind, Ticket
 from cni_agent.sandboxes.owners import callers_netns
 from cni_agent.sandboxes.policy import ROOT, Caller, Policy
-from cni_agent.sandboxes.records import Attachment, Phase, SandboxRecord
+from cni_agent.sandboxes.records import Attachment, CheckVerdict, Phase, SandboxRecord
 
 log = logging.getLogger(__name__)
 
@@ -301,14 +301,18 @@ class SandboxManager:
             log.info("sandbox %s: its netns %s is gone; removing its attachments before the new "
                      "Setup", rec.sandbox_id, rec.netns)
         if unfinished:
-            left, errors = await self.journal.remove(rec, unfinished, live)
-            if errors:
+            removal = await self.journal.remove(rec, unfinished, live)
+            if removal.errors:
                 raise AgentError(ErrorKind.PLUGIN_FAILED,
                                  f"sandbox {rec.sandbox_id} has attachments left by an earlier "
-                                 f"operation that cannot be removed: {errors[0]}")
-            if left is None:
+                                 f"operation that cannot be removed: {removal.errors[0]}")
+            if removal.unrecorded:
+                raise AgentError(ErrorKind.STATE_ERROR,
+                                 f"sandbox {rec.sandbox_id}: the attachments an earlier operation "
+                                 f"left are removed, but {removal.unrecorded}")
+            if removal.left is None:
                 return None
-            rec = left
+            rec = removal.left
         if rec.netns != netns or not rec.netns_id or not rec.netns_id.same(identity):
             raise AgentError(ErrorKind.INVALID_ARGUMENT,
                              f"sandbox {rec.sandbox_id} is already set up in netns {rec.netns}")
@@ -320,19 +324,23 @@ class SandboxManager:
             raise AgentError(ErrorKind.INVALID_ARGUMENT,
                              f"sandbox {rec.sandbox_id} is already set up with different "
                              "networks or options; tear it down first")
+        for a in rec.attachments:
+            if a.lost is not None:  # not what that Setup answered: say so, not a part of it
+                raise lost_error(rec.sandbox_id, a)
         return self._document(rec, entries)
 
     async def _add_all(self, rec: SandboxRecord, new: Sequence[Attachment],
                        nets: Sequence[NetworkConfigList], ns: Pinned) -> dict[str, Any]:
         with self.journal.claiming(rec.sandbox_id, new):
             try:
-                rec = await self.journal.begin_add(rec, new, ns, loopback=True)
+                rec, lo = await self.journal.begin_add(rec, new, ns, loopback=True)
             except NetnsError as e:  # nothing was written, nothing to undo
                 raise AgentError(ErrorKind.PLUGIN_FAILED, f"cannot bring up lo: {e}") from e
-            return await self._add_begun(rec, new, nets, ns)
+            return await self._add_begun(rec, new, nets, ns, lo)
 
     async def _add_begun(self, rec: SandboxRecord, new: Sequence[Attachment],
-                         nets: Sequence[NetworkConfigList], ns: Pinned) -> dict[str, Any]:
+                         nets: Sequence[NetworkConfigList], ns: Pinned,
+                         lo: bool = False) -> dict[str, Any]:
         done: list[CachedAttachment] = []
         ifnames = [a.ifname for a in new]
         for i, (net, att) in enumerate(zip(nets, new, strict=True)):
@@ -345,9 +353,11 @@ class SandboxManager:
                             rec.sandbox_id, net.name, att.ifname, e,
                             extra={"NETWORK": net.name, "IFNAME": att.ifname})
                 # DEL what was attempted, the failing one included (the spec requires it).
-                _, undo = await self.journal.remove(
+                undo = await self.journal.remove(
                     rec, [a.ifname for a in new[: i + 1]], ns,
                     unstarted=[a.ifname for a in new[i + 1:]])
+                if lo:  # this Setup brought lo up: the namespace as it found it
+                    await self.journal.loopback_down(rec.sandbox_id, ns)
                 raise rollback_error(e, undo) from e
             done.append(CachedAttachment(rec.sandbox_id, net.name, att.ifname, rec.netns,
                                          net.bytes, result=result))
@@ -385,11 +395,15 @@ class SandboxManager:
                     claimed = await self.journal.claim(sandbox_id, rec, entries, netns,
                                                        ns.identity if ns else None)
                     with log_fields(**_single(claimed.attachments)):
-                        _, errors = await self.journal.remove(claimed, None, ns, entries)
-                        if errors:
+                        removal = await self.journal.remove(claimed, None, ns, entries)
+                        if removal.errors:
                             raise AgentError(ErrorKind.PLUGIN_FAILED,
                                              f"teardown of {sandbox_id} incomplete, its cache "
-                                             "entries are kept: " + "; ".join(errors))
+                                             "entries are kept: " + "; ".join(removal.errors)
+                                             + (f" ({removal.unrecorded})"
+                                                if removal.unrecorded else ""))
+                        if removal.unrecorded:
+                            raise unrecorded_error(f"teardown of {sandbox_id}", removal)
                         log.info("sandbox %s torn down", sandbox_id)
 
     # --- Check, Show, List ------------------------------------------------------------
@@ -424,6 +438,8 @@ class SandboxManager:
                                      f"sandbox {sandbox_id} is set up in netns {rec.netns}, "
                                      f"not {ns.path}")
                 for a in rec.attachments:
+                    if a.lost is not None:
+                        raise lost_error(sandbox_id, a)
                     if (a.network, a.ifname) not in entries:
                         raise NoCachedResult(f"sandbox {sandbox_id}: no cached result for "
                                              f"{a.network}/{a.ifname}")
@@ -438,7 +454,12 @@ class SandboxManager:
                   with_checks: bool = False) -> dict[str, Any]:
         order = [(a.network, a.ifname) for a in rec.attachments] if rec else []
         sid = rec.sandbox_id if rec else next(iter(entries.values())).container_id
-        doc = result_document(sid, list(entries.values()), order,
+        # A lost attachment (its repair's re-ADD failed) has no cache entry: it
+        # is shown all the same, with an empty result, in its place.
+        lost = [CachedAttachment(sid, a.network, a.ifname, rec.netns, a.config, result={})
+                for a in rec.attachments if a.lost is not None
+                and (a.network, a.ifname) not in entries] if rec else []
+        doc = result_document(sid, [*entries.values(), *lost], order,
                               rec.phase if rec else Phase.READY)
         if rec is not None and with_checks:  # Show's, not Setup's (a repeat returns Setup's)
             for item in doc["attachments"]:
@@ -454,7 +475,7 @@ class SandboxManager:
             # by the next operation or reaping pass that holds the sandbox's lock.
             rec, entries = await self.journal.view(sid, repair=False)
         Policy.holds(caller, sid, rec.owner if rec else None)
-        if not entries:
+        if not entries and not (rec and any(a.lost for a in rec.attachments)):
             raise AgentError(ErrorKind.NOT_FOUND, f"sandbox {sandbox_id} has no cached attachments")
         doc = self._document(rec, entries, with_checks=True)
         if rec is None and (damaged := self.journal.store.damaged(sid)):
@@ -486,9 +507,11 @@ class SandboxManager:
             report = await self.reaper.collect(valid, owner=None if caller.root else caller.uid,
                                                prefix=Policy.own_prefix(caller))
         if report.errors:
-            raise AgentError(ErrorKind.PLUGIN_FAILED,
-                             f"garbage collection finished with {len(report.errors)} error(s): "
-                             + report.errors[0])
+            # Only the disk's refusals: the DELs ran, the bookkeeping waits for it.
+            kind = ErrorKind.STATE_ERROR if len(report.unrecorded) == len(report.errors) \
+                else ErrorKind.PLUGIN_FAILED
+            raise AgentError(kind, f"garbage collection finished with {len(report.errors)} "
+                                   "error(s): " + report.errors[0])
 
 
 def shown(caller: Caller, doc: dict[str, Any]) -> dict[str, Any]:
@@ -498,14 +521,31 @@ def shown(caller: Caller, doc: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_document(att: Attachment, last: float) -> dict[str, Any]:
-    """Show's "check" of an attachment: its verdict, the last CHECK's time and message."""
+    """Show's "check" of an attachment: its verdict, the last CHECK's time and
+    message, its repairs and what the last one did; for a lost one, its ADDs
+    that failed and when the next is due."""
     state = att.check
-    return {
+    doc: dict[str, Any] = {
         "state": str(state.verdict) if state else "unchecked",
         "last_check": _iso(last) if last else "",
         "reason": state.reason if state else "",
         "repairs": state.repairs if state else 0,
+        "repair": state.repair if state else "",
     }
+    if att.lost is not None:
+        doc.update(state=str(CheckVerdict.LOST), reason=att.lost.reason,
+                   lost_since=_iso(att.lost.since), attempts=att.lost.attempts,
+                   next_try=_iso(att.lost.next_try))
+    return doc
+
+
+def lost_error(sandbox_id: str, att: Attachment) -> AgentError:
+    """A CHECK of a lost attachment: there is nothing to CHECK; say why and until when."""
+    assert att.lost is not None
+    return AgentError(ErrorKind.PLUGIN_FAILED,
+                      f"sandbox {sandbox_id}: {att.network}/{att.ifname} is lost: a repair "
+                      f"removed it and its ADD failed ({att.lost.attempts} time(s), last: "
+                      f"{att.lost.reason}); it is ADDed again at {_iso(att.lost.next_try)}")
 
 
 def _iso(t: float) -> str:
@@ -524,13 +564,24 @@ def _single(new: Sequence[Attachment]) -> dict[str, str]:
     return {"NETWORK": new[0].network, "IFNAME": new[0].ifname} if len(new) == 1 else {}
 
 
-def rollback_error(e: BaseException, undo: list[str]) -> AgentError:
+def rollback_error(e: BaseException, undo: Removal) -> AgentError:
     """A failed ADD's error, after its rollback; says so when the rollback failed too."""
     err = classify(e)
-    if undo:
+    if undo.errors:
         return AgentError(err.kind, f"{err.message} (cleanup failed, retried at the next "
-                                    f"GC: {undo[0]})")
+                                    f"GC: {undo.errors[0]})")
+    if undo.unrecorded:
+        return AgentError(err.kind, f"{err.message} (rolled back; {undo.unrecorded}: the "
+                                    "next reaping pass finishes it)")
     return err
+
+
+def unrecorded_error(what: str, removal: Removal) -> AgentError:
+    """A removal whose DELs all succeeded, but whose bookkeeping the disk did not take."""
+    return AgentError(ErrorKind.STATE_ERROR,
+                      f"{what}: the DELs succeeded and the network is released, but "
+                      f"{removal.unrecorded}; the next reaping pass finishes it once the disk "
+                      "allows")
 
 
 @asynccontextmanager

@@ -58,9 +58,29 @@ class CheckVerdict(StrEnum):
     """What the last CHECK of an attachment said, measured against its baseline."""
 
     OK = "ok"  # passed (the first pass is the baseline)
-    DRIFTED = "drifted"  # failed after it had passed: something changed it
+    DRIFTED = "drifted"  # the plugin's own CHECK failed after it had passed: something changed it
     UNSUPPORTED = "unsupported"  # failed and never passed: the plugin's CHECK proves nothing
     DISABLED = "disabled"  # the network's cniVersion (< 0.4.0) or disableCheck: no CHECK
+    # The CHECK could not run (a timeout, a plugin that could not start, the
+    # agent's own error): no word on the attachment, never drift, never repaired.
+    FAILED_TO_RUN = "failed-to-run"
+    # Repaired, but its re-ADD returned another address than it had.
+    NEW_ADDRESS = "repaired-with-new-address"
+    # Its repair's re-ADD failed: gone from the namespace, kept in the record
+    # and retried with backoff (`Lost`).
+    LOST = "lost"
+
+
+# What an agent that knows only the first four verdicts (0.3 to 0.5) reads in
+# "verdict"; the full one is in "state", a key those agents ignore.
+_COMPAT = {CheckVerdict.NEW_ADDRESS: CheckVerdict.OK, CheckVerdict.LOST: CheckVerdict.DRIFTED}
+
+
+def _verdict(value: Any) -> CheckVerdict | None:
+    try:
+        return CheckVerdict(value)
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -72,17 +92,62 @@ class CheckState:
     reason: str = ""  # the plugin's message of the last failure
     passed: bool = False  # has it ever passed (the baseline exists)
     repairs: int = 0
+    # What the last repair did when it is worth saying: refused ("repair would
+    # change the address: ..."), the address it changed, why it failed.
+    repair: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        return {"verdict": str(self.verdict), "at": self.at, "reason": self.reason,
-                "passed": self.passed, "repairs": self.repairs}
+        compat = _COMPAT.get(self.verdict, self.verdict)
+        if self.verdict is CheckVerdict.FAILED_TO_RUN:
+            compat = CheckVerdict.OK if self.passed else CheckVerdict.UNSUPPORTED
+        doc: dict[str, Any] = {"verdict": str(compat), "at": self.at, "reason": self.reason,
+                               "passed": self.passed, "repairs": self.repairs}
+        if compat is not self.verdict:
+            doc["state"] = str(self.verdict)
+        if self.repair:
+            doc["repair"] = self.repair
+        return doc
 
     @classmethod
     def from_json(cls, doc: Any) -> CheckState | None:
         if not isinstance(doc, Mapping):
             return None
-        return cls(CheckVerdict(doc["verdict"]), float(doc["at"]), str(doc.get("reason", "")),
-                   bool(doc.get("passed", False)), int(doc.get("repairs", 0)))
+        # A state a later agent wrote and this one does not know falls back to
+        # its "verdict"; a check state is never worth a damaged record.
+        verdict = _verdict(doc.get("state")) or _verdict(doc.get("verdict"))
+        if verdict is None:
+            return None
+        return cls(verdict, float(doc["at"]), str(doc.get("reason", "")),
+                   bool(doc.get("passed", False)), int(doc.get("repairs", 0)),
+                   str(doc.get("repair", "")))
+
+
+@dataclass(frozen=True)
+class Lost:
+    """An attachment whose repair's re-ADD failed: kept in the record (its
+    network, ifname, config and args, the addresses to ask for again) and
+    retried with backoff until an ADD succeeds or the sandbox is torn down.
+    Agents before 0.6 ignore the key: to them it is a ready attachment with no
+    cache entry, which their Teardown and reaping DEL (DEL is idempotent)."""
+
+    since: float  # when the repair failed
+    reason: str  # the last ADD's error
+    attempts: int  # ADDs that failed so far (the repair's own is the first)
+    next_try: float  # epoch seconds
+    ips: tuple[str, ...] = ()  # what it had before its repair
+    mac: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"since": self.since, "reason": self.reason, "attempts": self.attempts,
+                "next": self.next_try, "ips": list(self.ips), "mac": self.mac}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> Lost | None:
+        if not isinstance(doc, Mapping):
+            return None
+        return cls(float(doc["since"]), str(doc.get("reason", "")), int(doc.get("attempts", 1)),
+                   float(doc.get("next", 0)), tuple(str(i) for i in doc.get("ips") or ()),
+                   str(doc.get("mac", "")))
 
 
 class Phase(StrEnum):
@@ -106,6 +171,8 @@ class Attachment:
     # Its CHECKs (drift.py); None: not checked yet. An optional key, so records
     # without it (0.1, 0.2) load, and older agents ignore it: no version bump.
     check: CheckState | None = None
+    # Set while it is lost (its repair's re-ADD failed): an optional key too.
+    lost: Lost | None = None
 
     def to_json(self) -> dict[str, Any]:
         doc = {
@@ -120,6 +187,8 @@ class Attachment:
             doc["origin"] = self.origin
         if self.check is not None:
             doc["check"] = self.check.to_json()
+        if self.lost is not None:
+            doc["lost"] = self.lost.to_json()
         return doc
 
     @classmethod
@@ -134,6 +203,7 @@ class Attachment:
             phase=Phase(doc.get("phase", phase)),
             origin=str(doc.get("origin", "")),
             check=CheckState.from_json(doc.get("check")),
+            lost=Lost.from_json(doc.get("lost")),
         )
 
 
@@ -165,7 +235,11 @@ class SandboxRecord:
         return replace(self, attachments=tuple(attachments), updated=time.time(), **changes)
 
     def with_check(self, ifname: str, check: CheckState) -> SandboxRecord:
-        return replace(self, attachments=tuple(replace(a, check=check) if a.ifname == ifname
+        return self.with_attachment(ifname, check=check)
+
+    def with_attachment(self, ifname: str, **changes: Any) -> SandboxRecord:
+        """The record with the attachment `ifname` changed (its place kept)."""
+        return replace(self, attachments=tuple(replace(a, **changes) if a.ifname == ifname
                                                else a for a in self.attachments))
 
     def with_phase(self, phase: Phase, ifnames: Iterable[str] | None = None) -> SandboxRecord:
@@ -219,6 +293,12 @@ class SandboxStore:
     def __init__(self, state_dir: str) -> None:
         self.dir = os.path.join(state_dir, "sandboxes")
         self.damaged_dir = os.path.join(self.dir, "damaged")
+        # Removals the disk did not take (full, read-only): sandbox → the
+        # attachments whose DEL ran without its "deleting" mark, or whose end
+        # could not be written. Every read shows them "deleting" until a write
+        # records it, so each operation and reaping pass sees a sandbox being
+        # torn down (and the next pass finishes it), not a ready one.
+        self._unrecorded: dict[str, frozenset[str]] = {}
 
     def path(self, sandbox_id: str) -> str:
         return os.path.join(self.dir, f"{sandbox_id}.json")
@@ -229,6 +309,35 @@ class SandboxStore:
             atomic_write(self.path(record.sandbox_id), json.dumps(record.to_json()).encode())
         except OSError as e:
             raise CacheError(f"cannot write sandbox record: {e}") from e
+        pending = self._unrecorded.get(record.sandbox_id)
+        if pending:  # what the written record now says of them is recorded
+            left = frozenset(i for i in pending if (a := record.attachment(i)) is not None
+                             and a.phase is not Phase.DELETING)
+            self._set_unrecorded(record.sandbox_id, left)
+
+    def unrecorded(self, sandbox_id: str, ifnames: Iterable[str]) -> None:
+        """The removal of `ifnames` ran (or runs) though the disk did not take
+        its record: show them "deleting" until a write or delete records it."""
+        self._set_unrecorded(sandbox_id,
+                             self._unrecorded.get(sandbox_id, frozenset()) | frozenset(ifnames))
+
+    def pending(self) -> list[str]:
+        """The sandboxes with a removal the disk has not recorded yet."""
+        return sorted(self._unrecorded)
+
+    def _set_unrecorded(self, sandbox_id: str, ifnames: frozenset[str]) -> None:
+        if ifnames:
+            self._unrecorded[sandbox_id] = ifnames
+        else:
+            self._unrecorded.pop(sandbox_id, None)
+
+    def _overlaid(self, record: SandboxRecord) -> SandboxRecord:
+        pending = self._unrecorded.get(record.sandbox_id)
+        if not pending:
+            return record
+        return replace(record, attachments=tuple(
+            replace(a, phase=Phase.DELETING) if a.ifname in pending else a
+            for a in record.attachments))
 
     def read(self, sandbox_id: str) -> SandboxRecord | None:
         """The record, None when there is none; DamagedRecord when what it holds
@@ -246,9 +355,10 @@ class SandboxStore:
         except OSError as e:
             raise StateUnavailable(path, e) from None
         try:
-            return SandboxRecord.from_json(json.loads(data))
+            record = SandboxRecord.from_json(json.loads(data))
         except (ValueError, KeyError, TypeError) as e:
             raise DamagedRecord(path, str(e) or type(e).__name__) from None
+        return self._overlaid(record)
 
     def set_aside(self, sandbox_id: str) -> str:
         """Move an unreadable record to `damaged/` (kept for a post-mortem, never
@@ -283,7 +393,10 @@ class SandboxStore:
         try:
             os.unlink(self.path(sandbox_id))
         except FileNotFoundError:
-            return
+            pass
+        except OSError as e:
+            raise CacheError(f"cannot remove sandbox record: {e}") from e
+        self._unrecorded.pop(sandbox_id, None)
 
     def ids(self, prefix: str = "") -> list[str]:
         """The ids of the records (those beginning `prefix`)."""

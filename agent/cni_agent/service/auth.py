@@ -1,4 +1,5 @@
-"""Who is calling: the caller's role from the bus's credentials, and polkit.
+"""Who is calling: the caller's role from its credentials (the bus's, or the
+shim socket's SO_PEERCRED), and polkit.
 
 Checked here, in the daemon: the bus policy lets every caller reach the
 interface, and a node agent must not rely on a policy file it does not
@@ -40,6 +41,16 @@ def resolve_groups(names: Sequence[str]) -> frozenset[int]:
     return frozenset(gids)
 
 
+def groups_of_user(uid: int) -> frozenset[int]:
+    """A user's groups from the user database: where the transport does not
+    say which groups the caller's process has (older buses and kernels)."""
+    try:
+        pw = pwd.getpwuid(uid)
+        return frozenset(os.getgrouplist(pw.pw_name, pw.pw_gid))
+    except KeyError:
+        return frozenset()
+
+
 class Authorizer:
     def __init__(self, bus: Any, groups: Sequence[str], polkit: Polkit | None = None) -> None:
         self.bus = bus
@@ -58,9 +69,10 @@ class Authorizer:
     def known(self, sender: str | None) -> Caller | None:
         """The caller, if its credentials were read before (no bus call)."""
         creds = self._cache.get(sender) if sender is not None else None
-        return None if creds is None else self._caller(*creds)
+        return None if creds is None else self.caller(*creds)
 
-    def _caller(self, uid: int, gids: frozenset[int]) -> Caller:
+    def caller(self, uid: int, gids: frozenset[int]) -> Caller:
+        """Who a process of `uid` with groups `gids` is to us, on any transport."""
         if uid == 0:
             return Caller(0, Role.ROOT)
         return Caller(uid, Role.MEMBER if gids & self.gids else Role.STRANGER)
@@ -97,22 +109,18 @@ class Authorizer:
         uid = int(creds["UnixUserID"].value)
         if "UnixGroupIDs" in creds:
             gids = frozenset(int(g) for g in creds["UnixGroupIDs"].value)
-        else:  # older buses: the user's groups from the user database
-            try:
-                pw = pwd.getpwuid(uid)
-                gids = frozenset(os.getgrouplist(pw.pw_name, pw.pw_gid))
-            except KeyError:
-                gids = frozenset()
+        else:  # older buses
+            gids = groups_of_user(uid)
         while len(self._cache) >= _CACHE_LIMIT:
             self._cache.popitem(last=False)
         self._cache[sender] = (uid, gids)
         return uid, gids
 
-    async def identify(self, sender: str | None, what: str) -> Caller:
-        """The caller of method `what`: root, a member or a stranger."""
+    async def credentials(self, sender: str | None, what: str) -> tuple[int, frozenset[int]]:
+        """The uid and groups of the caller of method `what`, from the bus."""
         if sender is None:
             raise AgentError(ErrorKind.ACCESS_DENIED, f"{what}: the caller is unknown")
-        return self._caller(*await self._credentials(sender))
+        return await self._credentials(sender)
 
     async def authorize(self, caller: Caller, sender: str | None, method: str, scope: Scope,
                         interactive: bool = False) -> Caller:

@@ -225,7 +225,12 @@ def failure_answer(call: ShimCall, e: BaseException) -> Answer:
         if env:
             return error_answer(CODE_INVALID_ENV, f"{env}: {bad.reason}", version=v)
         return error_answer(CODE_INVALID_CONFIG, err.message, version=v)
-    if err.kind in (ErrorKind.NOT_READY, ErrorKind.BUSY, ErrorKind.SHUTTING_DOWN):
+    # StateError too: the agent's own disk (full, read-only, a record that
+    # cannot be read now) is a condition that passes, and an ADD refused for
+    # it changed nothing, a DEL answered with it released the network (its
+    # repeat is harmless): the runtime's retry is the right answer.
+    if err.kind in (ErrorKind.NOT_READY, ErrorKind.BUSY, ErrorKind.SHUTTING_DOWN,
+                    ErrorKind.STATE_ERROR):
         return error_answer(CODE_TRY_AGAIN_LATER, err.message, version=v)
     if err.kind is ErrorKind.NOT_FOUND:
         code = CODE_UNKNOWN_CONTAINER if call.command == "CHECK" else CODE_INVALID_CONFIG

@@ -1,11 +1,12 @@
 """`cni-agent run`: wiring the core to D-Bus, systemd and signals.
 
-Start-up order: config → state dirs → monitor → bus name → READY=1 (not
-waiting for NetworkReady: the network provider may start minutes later).
-Shutdown (SIGTERM/SIGINT, the multus lesson): readiness off at once, requests
-still served for `shutdown_drain` seconds (Teardown always) — or only until
-nothing has been in flight and no call has come for DRAIN_QUIET seconds —,
-in-flight work finished, then the bus name released and exit 0.
+Start-up order: config → state dirs → monitor → bus name → the shim's socket
+→ READY=1 (not waiting for NetworkReady: the network provider may start
+minutes later). Shutdown (SIGTERM/SIGINT, the multus lesson): readiness off at
+once, requests still served for `shutdown_drain` seconds (Teardown always) —
+or only until nothing has been in flight and no call has come for DRAIN_QUIET
+seconds —, in-flight work finished, then the shim's socket closed, the bus
+name released and exit 0.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from cni_agent.service.logs import set_log_level, setup_logging
 from cni_agent.service.notify import Notifier
 from cni_agent.service.polkit import Polkit
 from cni_agent.service.reconfig import merge
+from cni_agent.service.shimsock import SOCKET_NAME, ShimSocket
 from cni_agent.service.wiring import build_core, instance_of, policy_of
 
 log = logging.getLogger(__name__)
@@ -230,6 +232,21 @@ class Daemon:
         reply = await bus.request_name(BUS_NAME, NameFlag.DO_NOT_QUEUE)
         if reply not in (RequestNameReply.PRIMARY_OWNER, RequestNameReply.ALREADY_OWNER):
             raise StartupError(f"the bus name {BUS_NAME} is already owned: is another cni-agent running?")
+        # The name is ours, so we are the one agent: the shim's socket may be too.
+        self.shimsock = ShimSocket(os.path.join(self.cfg.runtime_dir, SOCKET_NAME),
+                                   self.iface.callers, self.core.shim,
+                                   self.core.metrics.operation)
+        try:
+            await self.shimsock.start()
+        except OSError as e:
+            log.warning("cannot listen on %s: %s; cni-agent-shim uses the bus",
+                        self.shimsock.path, e.strerror or e)
+        try:
+            return await self._serve_http(loop, bus)
+        finally:
+            await self.shimsock.close()
+
+    async def _serve_http(self, loop: asyncio.AbstractEventLoop, bus: MessageBus) -> int:
         http: HealthServer | None = None
         if self.cfg.http.listen:
             http = HealthServer(self.cfg.http.listen, self.monitor, self.core.metrics,
@@ -271,6 +288,7 @@ class Daemon:
                       "then exiting", self.iface.in_flight.count)
             self.manager.accepting = False
             await self.iface.in_flight.wait_idle()
+            await self.shimsock.close()
             await self.core.stop()
             await self.notifier.stop()
             status = 0 if self._stop.is_set() else 1
@@ -320,6 +338,9 @@ class Daemon:
         if self.iface.in_flight.count:
             log.info("waiting for %d request(s) in flight", self.iface.in_flight.count)
         await self.iface.in_flight.wait_idle()
+        # As the bus name, the socket goes only now: until then a runtime gets the
+        # same answers on both (new ADDs ShuttingDown, STATUS "shutting down").
+        await self.shimsock.close()
         if self._recovery is not None and not self._recovery.done():
             self._recovery.cancel()
         await self.core.stop()

@@ -14,8 +14,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from dbus_fast import Variant
@@ -25,7 +24,6 @@ from dbus_fast.service import ServiceInterface, dbus_property, method, signal
 
 from cni_agent import __version__
 from cni_agent.api import (
-    ERROR_PREFIX,
     INTERFACE,
     INTERFACE_REVISION,
     AgentError,
@@ -33,15 +31,14 @@ from cni_agent.api import (
     wire_text,
 )
 from cni_agent.cni.args import PodMeta
-from cni_agent.cni.errors import InvalidArgument
 from cni_agent.readiness.monitor import Monitor, NetworkState
 from cni_agent.readiness.podcidrs import PodCIDRs
 from cni_agent.sandboxes.attach import AttachRequest
 from cni_agent.sandboxes.checks import Outcome
-from cni_agent.sandboxes.errors import classify
 from cni_agent.sandboxes.manager import DEFAULT_IFNAME, NetworkRequest, SandboxManager, SetupRequest
-from cni_agent.sandboxes.policy import METHODS, Caller, Role, Scope, cnicall_scope
+from cni_agent.sandboxes.policy import METHODS, Caller, Scope, cnicall_scope
 from cni_agent.service.auth import Authorizer
+from cni_agent.service.callers import Callers, InFlight, cnicall, error_of, sendable
 from cni_agent.service.cnicall import ShimCalls, command_of
 from cni_agent.service.gate import Gate, close_all
 from cni_agent.service.limits import StrangerLimits
@@ -54,9 +51,6 @@ MAX_JSON_DEPTH = 32
 MAX_WAIT = 24 * 3600.0
 OPTION_KEYS = {"networks": "a(ss)", "args": "a{ss}", "pod": "a{ss}", "capabilities": "s",
                "netns_fd": "h"}
-# For callers that are neither root nor in the access group (read-only calls).
-UNPRIVILEGED_MAX_STDIN = 64 * 1024
-UNPRIVILEGED_MAX_REPLY = 64 * 1024
 
 # Method name → the D-Bus input signature (checked before dispatch, so a wrong
 # signature is InvalidArgument, not a generic UnknownMethod).
@@ -67,10 +61,10 @@ SIGNATURES = {
     "CheckSandboxes": "as", "ResetPodCIDRs": "",
 }
 # dbus-fast gives a signal's arguments no names; the contract's XML has them.
-SIGNAL_ARGS = {"AttachmentDrifted": ("sandbox_id", "network", "ifname", "reason")}
+SIGNAL_ARGS = {"AttachmentDrifted": ("sandbox_id", "network", "ifname", "reason"),
+               "AttachmentCheckChanged": ("sandbox_id", "network", "ifname", "state", "reason")}
 # Attach takes Setup's options but one network: `networks` and `pod` are Setup's.
 ATTACH_OPTIONS = ("args", "capabilities", "netns_fd")
-MAX_CNI_ENV = 64
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -91,26 +85,6 @@ def signature(*params: str, returns: str = "") -> Callable[[F], F]:
         return fn
 
     return apply
-
-
-def _error(e: AgentError) -> DBusError:
-    return DBusError(ERROR_PREFIX + str(e.kind), wire_text(e.message))
-
-
-def _sendable(value: Any) -> Any:
-    """`value` if D-Bus can carry it, else a named error: dbus-fast marshals a
-    reply in a callback, where a NUL or a lone surrogate in a string fails it
-    (5.x answers a generic ServiceError, 1.84 with a traceback). Our results
-    are ASCII JSON and checked ids, so this only catches a defect; it costs
-    a scan of the strings, not a second marshalling."""
-    if isinstance(value, str):
-        if (not value.isascii() or "\0" in value) and wire_text(value, len(value)) != value:
-            raise AgentError(ErrorKind.PLUGIN_FAILED, "internal error: the reply holds text "
-                             f"D-Bus cannot carry: {wire_text(value, 200)}")
-    elif isinstance(value, list):
-        for item in value:
-            _sendable(item)
-    return value
 
 
 def _short(e: DBusError) -> str:
@@ -193,41 +167,6 @@ def parse_options(options: Mapping[str, Any], known: Sequence[str] = tuple(OPTIO
     return out
 
 
-# Calls that only read: a runtime or a monitor polling them says nothing about
-# work to come, so they never hold a drain up (CNICall STATUS and VERSION too).
-READS = frozenset({"WaitReady", "Show", "ListSandboxes"})
-
-
-class InFlight:
-    """Counts requests being served, so shutdown can wait for them, and when the
-    last call that changes something arrived or ended, so an idle drain can end
-    early (a poller of STATUS or the properties must not hold a restart up)."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self.count = 0
-        self._clock = clock
-        self.last_activity = clock()
-        self._idle = asyncio.Event()
-        self._idle.set()
-
-    def touch(self) -> None:
-        """A call that changes something arrived, or was answered (a caller's
-        next call tends to follow its last answer)."""
-        self.last_activity = self._clock()
-
-    def __enter__(self) -> None:
-        self.count += 1
-        self._idle.clear()
-
-    def __exit__(self, *exc: object) -> None:
-        self.count -= 1
-        if self.count == 0:
-            self._idle.set()
-
-    async def wait_idle(self) -> None:
-        await self._idle.wait()
-
-
 class AgentInterface(ServiceInterface):
     def __init__(
         self,
@@ -255,49 +194,43 @@ class AgentInterface(ServiceInterface):
         self.pod_cidrs = pod_cidrs
         self.authorizer = authorizer
         self._reload = reload
-        self.in_flight = InFlight()
-        self.limits = StrangerLimits()
+        # Who may call, bounds, the drain's count: shared with the shim's socket.
+        self.callers = Callers(authorizer)
         # The bus's message handler: descriptors and strangers' rates (gate.py).
         self.gate = Gate(authorizer, self.limits, SIGNATURES, OPTION_KEYS)
         self._collecting: asyncio.TimerHandle | None = None
         self._shown = monitor.state
         pod_cidrs.subscribe(self.on_pod_cidrs)
 
+    @property
+    def in_flight(self) -> InFlight:
+        return self.callers.in_flight
+
+    @property
+    def limits(self) -> StrangerLimits:
+        return self.callers.limits
+
     # --- plumbing -------------------------------------------------------------------
 
     async def _serve(self, name: str, work: Callable[[Caller], Awaitable[Any]],
                      scope: Scope | None = None) -> Any:
-        """Serve one call: who calls (root, member, stranger), whether the
-        policy lets it (asking polkit where it may decide), within a
-        stranger's bounds; then `work(caller)`, its failure turned into one of
-        the contract's errors. Only calls of root, members and whom polkit
-        authorized count for the shutdown's drain."""
+        """Serve one call: the caller's credentials from the bus, then
+        `Callers.serve` (who, whether, bounds, the drain's count) and
+        `work(caller)`, its failure turned into one of the contract's errors."""
         result = "Cancelled"  # the caller left or we are stopping, unless set below
         # dbus-fast runs the handler as the message is read: this is its arrival.
         arrived = time.monotonic()
         info = self.gate.call.get()
         scope = METHODS[name] if scope is None else scope
         try:
-            caller = await self.authorizer.identify(info.sender, name)
-            with self._bounded(caller, info.counted):
-                caller = await self.authorizer.authorize(caller, info.sender, name, scope,
-                                                         info.interactive)
-                if caller.role is Role.STRANGER:  # a read, within the stranger's bounds
-                    value = _sendable(await work(caller))
-                    result = "ok"
-                    return value
-            value = _sendable(await self._counted(name, scope, lambda: work(caller)))
+            credentials = await self.authorizer.credentials(info.sender, name)
+            value = sendable(await self.callers.serve(
+                name, scope, credentials, work, sender=info.sender, counted=info.counted,
+                interactive=info.interactive))
             result = "ok"
             return value
         except Exception as e:
-            if isinstance(e, AgentError):
-                err = _error(e)
-            elif isinstance(e, DBusError):
-                err = e
-            else:
-                if not isinstance(e, InvalidArgument):
-                    log.exception("%s failed unexpectedly", name)
-                err = _error(classify(e))
+            err = DBusError(*error_of(name, e))
             result = _short(err)
             if not info.wants_reply:  # nobody to tell (dbus-fast would log it as a crash)
                 log.debug("%s (no reply expected) failed: %s", name, err.text)
@@ -322,31 +255,6 @@ class AgentInterface(ServiceInterface):
                 gc.collect()
 
             self._collecting = asyncio.get_running_loop().call_later(0.05, collect)
-
-    @contextmanager
-    def _bounded(self, caller: Caller, counted: bool) -> Iterator[None]:
-        """A stranger's call against its uid's rate (unless the gate counted
-        it) and in-flight bound; nothing for anyone else."""
-        if caller.role is not Role.STRANGER:
-            yield
-            return
-        if not counted and not self.limits.take(caller.uid):
-            raise self.limits.over_rate()
-        with self.limits.flight(caller.uid):
-            yield
-
-    async def _counted(self, name: str, scope: Scope, work: Callable[[], Awaitable[Any]]) -> Any:
-        """In flight for the drain; a call that may change something also marks
-        activity (a caller's next call tends to follow its last answer)."""
-        work_to_come = scope is not Scope.OPEN and name not in READS
-        with self.in_flight:
-            if work_to_come:
-                self.in_flight.touch()
-            try:
-                return await work()
-            finally:
-                if work_to_come:
-                    self.in_flight.touch()
 
     def begin_shutdown(self) -> None:
         """No call waits for polkit from now on (its callers get ShuttingDown)."""
@@ -389,20 +297,32 @@ class AgentInterface(ServiceInterface):
             log.info("PropertiesChanged not sent, the bus connection is gone: %s", e)
 
     def on_check(self, outcome: Outcome) -> None:
-        """Checks listener: AttachmentDrifted on each pass → fail transition."""
-        if not outcome.drifted or outcome.repair:
-            return
+        """Checks listener: AttachmentDrifted on each pass → fail transition of
+        the plugin's own CHECK (drift only, as since revision 2), and
+        AttachmentCheckChanged on every change of an attachment's check state
+        after its baseline and every repair's outcome."""
+        reason = wire_text(outcome.reason)
         try:
-            self.AttachmentDrifted(outcome.sandbox_id, outcome.network, outcome.ifname,
-                                   wire_text(outcome.reason))
+            if outcome.drifted and not outcome.repair:
+                self.AttachmentDrifted(outcome.sandbox_id, outcome.network, outcome.ifname,
+                                       reason)
+            if outcome.changed or outcome.repair:
+                self.AttachmentCheckChanged(outcome.sandbox_id, outcome.network, outcome.ifname,
+                                            str(outcome.verdict), reason)
         except Exception as e:  # as for PropertiesChanged: the connection is gone
-            log.info("AttachmentDrifted not sent, the bus connection is gone: %s", e)
+            log.info("check signal not sent, the bus connection is gone: %s", e)
 
     @signal()
     @signature("s", "s", "s", "s", returns="ssss")
     def AttachmentDrifted(self, sandbox_id: str, network: str, ifname: str,
                           reason: str) -> list[str]:
         return [sandbox_id, network, ifname, reason]
+
+    @signal()
+    @signature("s", "s", "s", "s", "s", returns="sssss")
+    def AttachmentCheckChanged(self, sandbox_id: str, network: str, ifname: str, state: str,
+                               reason: str) -> list[str]:
+        return [sandbox_id, network, ifname, state, reason]
 
     # --- properties -------------------------------------------------------------------
 
@@ -580,18 +500,7 @@ class AgentInterface(ServiceInterface):
     @signature("a{ss}", "s", returns="us")
     async def CNICall(self, environment: dict[str, str], config: str) -> list[Any]:
         async def work(caller: Caller) -> list[Any]:
-            if len(environment) > MAX_CNI_ENV:
-                raise _invalid("environment", f"more than {MAX_CNI_ENV} variables")
-            bounded = not caller.privileged
-            if bounded and len(config.encode()) > UNPRIVILEGED_MAX_STDIN:
-                raise _invalid("config", f"larger than {UNPRIVILEGED_MAX_STDIN} bytes (the limit "
-                                         "for callers neither root nor in the access group)")
-            env = {k: v for k, v in environment.items() if k.startswith("CNI_")}
-            answer = await self.shim.handle(env, config)
-            output = answer.output
-            if bounded and len(output) > UNPRIVILEGED_MAX_REPLY:
-                output = output[:UNPRIVILEGED_MAX_REPLY]
-            return [answer.exit_status, output]
+            return list(await cnicall(self.shim, caller, environment, config))
 
         # STATUS and VERSION change nothing: open to all, like NetworkReady;
         # the others name a namespace by path: root's (a runtime's) alone.

@@ -77,6 +77,7 @@ class HealthServer:
     async def _metrics_page(self, request: web.Request) -> web.Response:
         records, unreadable = await asyncio.to_thread(self._store.all)
         tearing_down = sum(1 for r in records if r.phase is Phase.DELETING)
-        self._metrics.refresh(self._monitor, len(records) + len(unreadable), tearing_down)
+        lost = sum(1 for r in records for a in r.attachments if a.lost is not None)
+        self._metrics.refresh(self._monitor, len(records) + len(unreadable), tearing_down, lost)
         return web.Response(body=self._metrics.exposition(),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})

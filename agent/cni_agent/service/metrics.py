@@ -89,15 +89,22 @@ class Metrics:
             "cni_agent_shim_calls", "CNI calls forwarded by cni-agent-shim, by command and result "
             "(ok or the CNI error code)", ("command", "result"), registry=r)
         self.checks = Counter(
-            "cni_agent_checks", "CHECKs of attachments by result: ok, failed (after a pass: "
-            "drift), unsupported (never passed), disabled (the network allows none)",
-            ("result",), registry=r)
+            "cni_agent_checks", "CHECKs of attachments by result: ok, failed (the plugin's "
+            "CHECK failed after a pass: drift), unsupported (never passed), disabled (the "
+            "network allows none), failed_to_run (a timeout, a plugin that could not start, "
+            "the agent's own error: no verdict, never repaired)", ("result",), registry=r)
         self.drift = Counter(
             "cni_agent_drift", "Attachments whose CHECK passed and then failed, by network",
             ("network",), registry=r)
         self.repairs = Counter(
-            "cni_agent_repairs", "Drifted attachments re-created (check.repair), by result",
-            ("result",), registry=r)
+            "cni_agent_repairs", "Repairs of drifted attachments (check.repair), by result: ok, "
+            "unverified (its new CHECK fails), new_address (re-created with another address), "
+            "refused (it would change the address), failed (its re-ADD failed: lost), "
+            "retry_ok and retry_failed (a lost attachment ADDed again)", ("result",), registry=r)
+        self.lost = Gauge(
+            "cni_agent_attachments_lost",
+            "Attachments a failed repair left lost (kept in their record, ADDed again with "
+            "backoff until that succeeds or the sandbox is torn down)", registry=r)
         self.tearing_down = Gauge(
             "cni_agent_sandboxes_tearing_down",
             "Sandboxes with an attachment whose removal has not finished (Show's state "
@@ -116,11 +123,12 @@ class Metrics:
         self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], MetricWrapperBase] = {}
         for how in ("deleted", "rolled_back"):
             self.reaped.labels(how)
-        for result in ("ok", "failed", "unsupported", "disabled"):
+        for result in ("ok", "failed", "unsupported", "disabled", "failed_to_run"):
             self.checks.labels(result)
         # Counters an alert takes increase() of exist from the start: a series
         # born at 1 would hide its first event.
-        for result in ("ok", "unverified", "failed", "refused"):
+        for result in ("ok", "unverified", "new_address", "refused", "failed", "retry_ok",
+                       "retry_failed"):
             self.repairs.labels(result)
         for freed in ("yes", "no"):
             self.reaping_passes.labels(freed)
@@ -186,7 +194,8 @@ class Metrics:
 
     # --- scrape --------------------------------------------------------------
 
-    def refresh(self, monitor: Monitor, sandboxes: int, tearing_down: int = 0) -> None:
+    def refresh(self, monitor: Monitor, sandboxes: int, tearing_down: int = 0,
+                lost: int = 0) -> None:
         """Gauges read from their owners, just before a scrape."""
         state = monitor.state
         failing = dict(state.network_errors)
@@ -198,6 +207,7 @@ class Metrics:
         self.invalid.set(len(state.invalid))
         self.sandboxes.set(sandboxes)
         self.tearing_down.set(tearing_down)
+        self.lost.set(lost)
 
     def exposition(self) -> bytes:
         # No `*_created` series: a timestamp per counter and histogram child that

@@ -99,7 +99,10 @@ def build_core(cfg: AgentConfig, executor: Executor | None = None) -> Core:
                     on_report=lambda r: metrics.gc_report(len(r.deleted), len(r.rolled_back)),
                     on_pass=lambda r: metrics.reaping_pass(bool(r.deleted or r.rolled_back)))
     pod_cidrs = PodCIDRs(cfg.state_dir, cfg.pod_cidrs)
-    checks = Checks(journal, repair=cfg.check.repair)
+    # A lost attachment's first retry: 30 s, or one check.interval when shorter.
+    retry = min(30.0, cfg.check.interval) if cfg.check.interval > 0 else 30.0
+    checks = Checks(journal, repair=cfg.check.repair, new_address=cfg.check.repair_new_address,
+                    retry_base=retry)
     checks.subscribe(metrics.check)
     manager = SandboxManager(journal, monitor, locks, reaper, pod_cidrs,
                              SandboxTimeouts(lock=t.lock, ready=t.ready), checks, policy_of(cfg))
