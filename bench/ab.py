@@ -133,7 +133,7 @@ def _setup(lab: Lab, way: str, env: dict[str, str] | None, pattern: str,
         [sys.executable, "-m", "cni_agent", "shim-config", "--runtime", "crio", "--network",
          "podnet", "--name", "pods", "--config", str(agent.config_path)],
         capture_output=True, text=True, check=True).stdout)
-    shim = ShimPod(conf, lab.bus.address)
+    shim = ShimPod(conf, lab.bus.address, str(agent.shim_socket))
 
     def run_pod(i: int) -> float:
         return pod(shim.call, f"ab-{way}-{i}", lab.netns.add())
