@@ -20,7 +20,7 @@ from cni_agent.cni.errors import (
     PluginTimeout,
     PluginUnsafe,
 )
-from cni_agent.cni.exec import Invocation, ProcessExecutor, decode_json, find_plugin
+from cni_agent.cni.exec import Invocation, PluginLookups, ProcessExecutor, decode_json, find_plugin
 from tests.support.plugins import Control
 
 ADD = Invocation("ADD", "c1", "/run/netns/x", "eth0", "A=1", "/usr/lib/cni")
@@ -184,6 +184,56 @@ def test_world_writable_binary_or_dir_is_refused(plugin_dir: Path) -> None:
     assert "owned by uid 65534" in str(e.value)
 
 
+@pytest.mark.root
+def test_a_remembered_lookup_sees_every_change_a_fresh_one_would(tmp_path: Path,
+                                                                  plugin_dir: Path) -> None:
+    """The executor remembers lookups; each change below is refused or found
+    anew at once, as by `find_plugin`, with no file event or rescan."""
+    lookups = PluginLookups()
+    first = tmp_path / "first"
+    first.mkdir(mode=0o755)
+    os.chmod(tmp_path, 0o755)
+    dirs = [str(first), str(plugin_dir)]
+    binary = plugin_dir / "testplug"
+    assert lookups.find("testplug", dirs, "ADD") == str(binary)
+    assert lookups.find("testplug", dirs, "ADD") == str(binary)  # remembered
+    for change, undo in (
+        (lambda: os.chmod(binary, 0o777), lambda: os.chmod(binary, 0o755)),  # the binary
+        (lambda: os.chmod(plugin_dir, 0o777), lambda: os.chmod(plugin_dir, 0o755)),  # its dir
+        (lambda: os.chown(plugin_dir.parent, 65534, 65534),  # a dir above it
+         lambda: os.chown(plugin_dir.parent, 0, 0)),
+    ):
+        change()
+        with pytest.raises(PluginUnsafe):
+            lookups.find("testplug", dirs, "ADD")
+        undo()
+        assert lookups.find("testplug", dirs, "ADD") == str(binary)
+    # Replaced by a symlink to a binary nobody but root may change: followed.
+    target = tmp_path / "elsewhere"
+    target.mkdir(mode=0o755)
+    (target / "testplug").write_bytes(binary.read_bytes())
+    os.chmod(target / "testplug", 0o755)
+    moved = tmp_path / "testplug.orig"
+    os.rename(binary, moved)
+    os.symlink(target / "testplug", binary)
+    assert lookups.find("testplug", dirs, "ADD") == str(binary)
+    os.chmod(target, 0o777)  # where the symlink leads
+    with pytest.raises(PluginUnsafe):
+        lookups.find("testplug", dirs, "ADD")
+    os.chmod(target, 0o755)
+    # The plugin put into a dir searched first: that one now.
+    (first / "testplug").write_bytes(b"#!/bin/sh\n")
+    os.chmod(first / "testplug", 0o755)
+    assert lookups.find("testplug", dirs, "ADD") == str(first / "testplug")
+    os.unlink(first / "testplug")
+    os.unlink(binary)
+    os.rename(moved, binary)
+    assert lookups.find("testplug", dirs, "ADD") == str(binary)
+    os.unlink(binary)  # gone
+    with pytest.raises(PluginNotFound):
+        lookups.find("testplug", dirs, "ADD")
+
+
 def _script(tmp_path: Path, name: str, body: str) -> str:
     bindir = tmp_path / "scripts"
     bindir.mkdir(mode=0o755, exist_ok=True)
@@ -239,13 +289,13 @@ async def test_cancelled_execution_kills_the_group(plugin_dir: Path, control: Co
 async def test_output_larger_than_a_pipe_is_read_whole(tmp_path: Path) -> None:
     """A plugin blocked writing more than a pipe holds never exits on its own:
     its pipes are watched once it runs longer than a fast plugin would."""
-    binary = _script(tmp_path, "big", "head -c 300000 /dev/zero | tr '\\0' x\n"
-                                      "head -c 200000 /dev/zero | tr '\\0' y >&2\n")
-    executor = ProcessExecutor(max_stdout=1_000_000, max_stderr=1_000_000)
+    binary = _script(tmp_path, "big", "head -c 3000000 /dev/zero | tr '\\0' x\n"
+                                      "head -c 1500000 /dev/zero | tr '\\0' y >&2\n")
+    executor = ProcessExecutor(max_stdout=4_000_000, max_stderr=2_000_000)
     child = await executor._spawn("big", binary, ADD, b"{}")
     await asyncio.wait_for(child.finished(), 10)
-    assert child.stdout == b"x" * 300_000
-    assert child.stderr == b"y" * 200_000
+    assert child.stdout == b"x" * 3_000_000
+    assert child.stderr == b"y" * 1_500_000
     assert await child.reap() == 0
 
 

@@ -30,7 +30,7 @@ from cni_agent.cni.errors import (
 )
 from cni_agent.cni.leftovers import RUN_ENV, Leftovers, make_subreaper
 from cni_agent.cni.spawn import Child
-from cni_agent.cni.trust import untrusted_reason
+from cni_agent.cni.trust import checked, identity
 
 # The agent's own systemd plumbing must not leak into plugins: a plugin that
 # inherited NOTIFY_SOCKET could speak to systemd on our behalf.
@@ -78,14 +78,26 @@ def find_plugin(plugin: str, dirs: Iterable[str], verb: str = "lookup") -> str:
 
     Refuses a binary that a non-root user could replace (it, or any directory
     on the way to it: `trust.untrusted_reason`), because the agent runs it as
-    root. Checked on every lookup: a few lstat calls, against a fork and exec.
+    root. Checked on every lookup (`PluginLookups` re-checks a remembered one).
     """
+    return _find(plugin, dirs, verb)[0]
+
+
+# What a lookup rests on: (path, None) for a dir searched before the one that
+# had the plugin (stat: no regular file there), (path, identity) for each entry
+# the trust verdict walked (lstat).
+_Proof = tuple[tuple[str, "tuple[int, ...] | None"], ...]
+
+
+def _find(plugin: str, dirs: Iterable[str], verb: str) -> tuple[str, _Proof]:
     if not plugin or "/" in plugin or plugin in (".", ".."):
         raise PluginNotFound(plugin, verb, f"invalid plugin type {plugin!r}")
     searched = []
+    proof: list[tuple[str, tuple[int, ...] | None]] = []
     for d in dirs:
         path = os.path.join(d, plugin)
         searched.append(d)
+        proof.append((path, None))
         try:
             st = os.stat(path)
         except OSError:
@@ -93,14 +105,57 @@ def find_plugin(plugin: str, dirs: Iterable[str], verb: str = "lookup") -> str:
         if not stat.S_ISREG(st.st_mode):
             continue
         try:
-            reason = untrusted_reason(path)
+            reason, walked = checked(path)
         except OSError:
             continue  # vanished meanwhile
         if reason:
             raise PluginUnsafe(plugin, verb, f"refusing to run {path}: {reason}")
-        return path
+        proof[-1:] = [(entry, identity(est)) for entry, est in walked]
+        return path, tuple(proof) if walked else ()
     where = ", ".join(searched) or "(no plugin directories configured)"
     raise PluginNotFound(plugin, verb, f"no binary {plugin!r} in {where}")
+
+
+class PluginLookups:
+    """`find_plugin`, remembered: an answer is given again while every entry it
+    was decided from is as it was (one lstat or stat each, ~1 us, where the
+    lookup walks and judges them again: ~20 us). The same verdict, always:
+    a binary replaced, chmod'ed or chown'ed, a directory on the way to it
+    changed, a symlink re-pointed (a new inode), or the plugin put into a dir
+    searched earlier, and the lookup runs again. Refusals are not remembered."""
+
+    _LIMIT = 256
+
+    def __init__(self) -> None:
+        self._found: dict[tuple[str, tuple[str, ...]], tuple[str, _Proof]] = {}
+
+    def find(self, plugin: str, dirs: Sequence[str], verb: str) -> str:
+        key = (plugin, tuple(dirs))
+        hit = self._found.get(key)
+        if hit is not None and _unchanged(hit[1]):
+            return hit[0]
+        path, proof = _find(plugin, dirs, verb)
+        if proof:  # none when not root: nothing was judged, nothing to re-check
+            if len(self._found) >= self._LIMIT:
+                self._found.clear()
+            self._found[key] = (path, proof)
+        return path
+
+
+def _unchanged(proof: _Proof) -> bool:
+    for path, ident in proof:
+        try:
+            st = os.stat(path) if ident is None else os.lstat(path)
+        except OSError:
+            if ident is None:
+                continue
+            return False
+        if ident is None:
+            if stat.S_ISREG(st.st_mode):
+                return False  # a plugin appeared in a dir searched first
+        elif identity(st) != ident:
+            return False
+    return True
 
 
 def decode_json(plugin: str, verb: str, out: bytes) -> Any:
@@ -203,11 +258,12 @@ class ProcessExecutor:
         self._instance = instance
         self._env_cache: dict[str, str] | None = None
         self._leftovers = Leftovers()
+        self._lookups = PluginLookups()
         if subreaper:
             make_subreaper()
 
     def find(self, plugin: str, dirs: Sequence[str], verb: str) -> str:
-        return find_plugin(plugin, dirs, verb)
+        return self._lookups.find(plugin, dirs, verb)
 
     def _environ(self, inv: Invocation) -> dict[str, str]:
         if self._env_cache is None:
@@ -220,14 +276,15 @@ class ProcessExecutor:
             self._env_cache = env
         return {**self._env_cache, **inv.environ()}
 
-    async def _spawn(self, plugin: str, binary: str, inv: Invocation, stdin: bytes) -> Child:
+    async def _spawn(self, plugin: str, binary: str, inv: Invocation, stdin: bytes,
+                     timeout: float | None = None) -> Child:
         env = self._environ(inv)
         token = env[RUN_ENV] = self._leftovers.token()
         for attempt in range(self._busy_retries + 1):
             try:
                 return Child(binary, env, stdin, self._max_stdout, self._max_stderr,
                              leftovers=self._leftovers, token=token,
-                             label=f"{plugin} {inv.command}")
+                             label=f"{plugin} {inv.command}", timeout=timeout)
             except OSError as e:
                 # A binary being replaced (package upgrade) is briefly busy.
                 if e.errno == errno.ETXTBSY and attempt < self._busy_retries:
@@ -243,17 +300,16 @@ class ProcessExecutor:
     async def execute(
         self, plugin: str, binary: str, inv: Invocation, stdin: bytes, timeout: float
     ) -> bytes:
-        child = await self._spawn(plugin, binary, inv, stdin)
+        child = await self._spawn(plugin, binary, inv, stdin, timeout)
         try:
-            async with asyncio.timeout(timeout):
-                await child.finished()
+            await child.finished()  # or its timeout ran out (the child's own timer)
+            if child.timed_out:
+                raise PluginTimeout(plugin, inv.command, timeout)
             if child.too_big:
                 raise PluginBadOutput(
                     plugin, inv.command,
                     f"printed more than {self._max_stdout} bytes (process group killed)",
                 )
-        except TimeoutError:
-            raise PluginTimeout(plugin, inv.command, timeout) from None
         finally:
             # Always, cancelled or not: kills a hung plugin and any children it
             # left behind, then reaps it.

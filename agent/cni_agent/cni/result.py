@@ -16,6 +16,7 @@ survive; across families entries are rebuilt from the fields libcni knows.
 from __future__ import annotations
 
 import copy
+import functools
 import ipaddress
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -92,9 +93,15 @@ def _int(value: Any, where: str) -> int:
     return value
 
 
-def _cidr(value: Any, where: str) -> str:
-    """Canonical "ip/prefix"; host bits are kept (an address, not a network)."""
-    text = _str(value, where)
+# The address parsers are cached: a pod's addresses are checked at its ADD, its
+# answer, its CHECK and its DEL, and a node's gateways and routes on every
+# result; ipaddress costs ~10 us a parse. Bounded: a plugin may print anything.
+_CACHED = 4096
+
+
+@functools.lru_cache(maxsize=_CACHED)
+def _canonical_cidr(text: str) -> str | None:
+    """Canonical "ip/prefix" (host bits kept: an address, not a network), None if not one."""
     addr, slash, prefix = text.partition("/")
     # ipaddress would also take a bare IP, a netmask or a zone; Go's ParseCIDR does not.
     if slash and prefix.isascii() and prefix.isdigit() and "%" not in addr:
@@ -102,19 +109,36 @@ def _cidr(value: Any, where: str) -> str:
             return str(ipaddress.ip_interface(text))
         except ValueError:
             pass
-    raise ResultError(f"{where}: {text!r} is not a CIDR address (ip/prefix)")
+    return None
 
 
-def _ip(value: Any, where: str) -> str:
-    text = _str(value, where)
+@functools.lru_cache(maxsize=_CACHED)
+def _canonical_ip(text: str) -> str | None:
     if "%" not in text:
         try:
             return str(ipaddress.ip_address(text))
         except ValueError:
             pass
-    raise ResultError(f"{where}: {text!r} is not an IP address")
+    return None
 
 
+def _cidr(value: Any, where: str) -> str:
+    text = _str(value, where)
+    canonical = _canonical_cidr(text)
+    if canonical is None:
+        raise ResultError(f"{where}: {text!r} is not a CIDR address (ip/prefix)")
+    return canonical
+
+
+def _ip(value: Any, where: str) -> str:
+    text = _str(value, where)
+    canonical = _canonical_ip(text)
+    if canonical is None:
+        raise ResultError(f"{where}: {text!r} is not an IP address")
+    return canonical
+
+
+@functools.lru_cache(maxsize=_CACHED)
 def _ip_family(cidr: str) -> str:
     """Return "4" or "6" by libcni's rule: an IPv4-mapped IPv6 address counts as IPv4."""
     ip = ipaddress.ip_interface(cidr).ip
@@ -231,8 +255,9 @@ def parse_result(data: Any, config_version: str, *, owned: bool = False) -> dict
 
     Returns a normalised deep copy: nulls and empty collections dropped,
     addresses in canonical form, unknown keys kept. `owned`: `data` is the
-    caller's to give away (just decoded), so it is normalised in place, not
-    copied first.
+    caller's to give away (just decoded, or read for one use), so it is not
+    copied first: the result may share unknown keys' values with it (`data`
+    itself is never changed).
     """
     if not isinstance(data, dict):
         raise ResultError(f"result: expected a JSON object, got {_kind(data)}")
@@ -330,13 +355,16 @@ _UP: dict[int, _Step] = {_LEGACY: _legacy_to_04, _V04: _04_to_v1}
 _DOWN: dict[int, _Step] = {_V1: _v1_to_04, _V04: _04_to_legacy}
 
 
-def convert_result(result: dict[str, Any], to_version: str) -> dict[str, Any]:
-    """Return `result` (validated) as a `to_version` result, following libcni's rules."""
+def convert_result(result: dict[str, Any], to_version: str, *, owned: bool = False
+                   ) -> dict[str, Any]:
+    """Return `result` (validated) as a `to_version` result, following libcni's rules.
+
+    `owned`: `result` is the caller's to give away (as `parse_result`'s): not copied."""
     target = _family(to_version, "target version")
     version = result.get("cniVersion") if isinstance(result, dict) else None
     if not version:
         raise ResultError("cannot convert a result without cniVersion")
-    out = parse_result(result, version)
+    out = parse_result(result, version, owned=owned)
     family = _FAMILY[out["cniVersion"]]
     while family != target:
         step = (_UP if family < target else _DOWN)[family]

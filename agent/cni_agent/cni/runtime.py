@@ -358,7 +358,8 @@ class CNIRuntime:
         if result is None or not version_at_least(net.cni_version, "0.4.0"):
             return None
         try:
-            return convert_result(dict(result), net.cni_version)
+            # Read for this one use: validated without the copy.
+            return convert_result(dict(result), net.cni_version, owned=True)
         except CNIError:
             return None
 

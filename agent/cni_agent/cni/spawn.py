@@ -5,8 +5,9 @@ readers, a child watcher) cost ~0.7 ms of the agent's CPU per exec and some 60
 loop iterations; this is a posix_spawn and a pidfd reader: one loop wake-up
 when the plugin exits, then what stdout and stderr hold is read at once.
 The pipes are watched only if the plugin has not exited within `_WATCH_AFTER`
-(it may be blocked writing more than a pipe holds). `exec.ProcessExecutor` is
-its only user.
+(it may be blocked writing more than a pipe holds): a real plugin (bridge,
+portmap: 10-100 ms) is not watched, which cost it two readers and a wake-up
+per write. `exec.ProcessExecutor` is its only user.
 
 A plugin is done when it exits: what it wrote is in the pipes by then, so
 they are read (briefly, boundedly) and closed; a descendant still holding
@@ -36,10 +37,13 @@ log = logging.getLogger(__name__)
 # exec; Popen's restore_signals put them back to default, so do we.
 _DEFAULT_SIGNALS = (signal.SIGPIPE, signal.SIGXFSZ)
 _CHUNK = 65536
-# A fast plugin (most, and every no-op one) exits before this and costs no pipe
-# watching; a slower one or one with more output than a pipe holds (64 KiB) is
-# watched from then on, so is delayed by at most this.
-_WATCH_AFTER = 0.01
+# A plugin that exits before this (nearly all do; a result is far smaller than
+# the 64 KiB a pipe holds) costs no pipe watching; a slower one is watched from
+# then on, so one printing more than a pipe holds is delayed by at most this.
+# (The pipes are not enlarged: F_SETPIPE_SZ counts against root's
+# pipe-user-pages-soft, node-wide, and past it the pipes of root processes
+# without CAP_SYS_RESOURCE, root containers', shrink to 2 pages.)
+_WATCH_AFTER = 0.25
 # Reads of a pipe once the plugin has exited: what it wrote is there (a pipe
 # holds 64 KiB; more was read while it ran); a leftover writing on and on
 # must not hold the loop.
@@ -91,10 +95,13 @@ class Child:
 
     def __init__(self, binary: str, env: Mapping[str, str], stdin: bytes,
                  max_stdout: int, max_stderr: int, *, leftovers: Leftovers | None = None,
-                 token: str = "", label: str = "") -> None:
+                 token: str = "", label: str = "", timeout: float | None = None) -> None:
         """Spawn `binary` in its own session (so its own process group), in the
         agent's working directory (the daemon's is /). OSError if it cannot run.
-        `token`: the run's (in `env` too), for `leftovers`; `label` names it in logs."""
+        `token`: the run's (in `env` too), for `leftovers`; `label` names it in logs.
+        `timeout`: seconds from now after which `finished` returns with
+        `timed_out` set (one timer for this and the pipe watch: the caller
+        needs no asyncio.timeout of its own)."""
         self._loop = asyncio.get_running_loop()
         self._leftovers, self._token, self._label = leftovers, token, label
         self.left: list[Left] = []  # what it left running (killed), once reaped
@@ -139,14 +146,21 @@ class Child:
         self._caps = {self._out_fd: max_stdout, self._err_fd: max_stderr}
         self._bufs = {self._out_fd: bytearray(), self._err_fd: bytearray()}
         self.too_big = False  # stdout went over its cap (reading stopped there)
+        self.timed_out = False  # `timeout` ran out before it exited
         self._exited = False
         self._abandoned = False  # answered before it exited: `_on_exit` reaps it
         self._exit_waiter: asyncio.Future[None] | None = None
         self._watched: set[int] = set()
+        self._writing = False  # a writer callback is registered for stdin
         self._done: asyncio.Future[None] = self._loop.create_future()
         self._loop.add_reader(self._pidfd, self._on_exit)
-        self._watch_timer: asyncio.TimerHandle | None = self._loop.call_later(
-            _WATCH_AFTER, self._watch_pipes)
+        now = self._loop.time()
+        watch_at = now + _WATCH_AFTER
+        self._deadline = None if timeout is None else now + timeout
+        self._timer: asyncio.TimerHandle | None = (
+            self._loop.call_at(self._deadline, self._expire)
+            if self._deadline is not None and self._deadline <= watch_at
+            else self._loop.call_at(watch_at, self._watch_pipes))
         self._write()
 
     @property
@@ -175,19 +189,34 @@ class Child:
             return
         if not self._fill():
             self._loop.add_writer(self._stdin_fd, self._write)  # idempotent: replaces the handle
+            self._writing = True
             return
         self._close_stdin()
 
     def _close_stdin(self) -> None:
         if self._stdin_fd >= 0:
-            self._loop.remove_writer(self._stdin_fd)
+            if self._writing:  # else nothing to remove (a lookup that fails, on every run)
+                self._loop.remove_writer(self._stdin_fd)
+                self._writing = False
             os.close(self._stdin_fd)
             self._stdin_fd = -1
 
     def _watch_pipes(self) -> None:
-        self._watch_timer = None
+        self._timer = None
         for fd in self._caps:  # the open ones
             self._watch(fd)
+        if self._deadline is not None:
+            self._timer = self._loop.call_at(self._deadline, self._expire)
+
+    def _expire(self) -> None:
+        self._timer = None
+        self.timed_out = True
+        self._check_done()
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def _watch(self, fd: int) -> None:
         self._loop.add_reader(fd, self._read, fd)  # idempotent: replaces the handle
@@ -232,9 +261,7 @@ class Child:
     def _on_exit(self) -> None:
         self._loop.remove_reader(self._pidfd)
         self._exited = True
-        if self._watch_timer is not None:
-            self._watch_timer.cancel()
-            self._watch_timer = None
+        self._stop_timer()
         for fd in list(self._caps):
             self._drain(fd)
         self._check_done()
@@ -244,16 +271,17 @@ class Child:
             self._reap()
 
     def _check_done(self) -> None:
-        finished = self.too_big or self._exited
+        finished = self.too_big or self._exited or self.timed_out
         if finished and not self._done.done():
             self._done.set_result(None)
 
     # --- the caller's side ----------------------------------------------------------
 
     async def finished(self) -> None:
-        """Until the process exited (what its pipes held is read), or stdout went over its cap.
+        """Until the process exited (what its pipes held is read), stdout went
+        over its cap, or its `timeout` ran out.
 
-        A timeout cancels the future awaited here; `reap` waits on one of its own.
+        A cancellation cancels the future awaited here; `reap` waits on one of its own.
         """
         await self._done
 
@@ -269,6 +297,7 @@ class Child:
         (-N: signal N), None if it has not exited within `_EXIT_GRACE` of the
         SIGKILL (it is reaped when it does: the caller need not wait)."""
         kill_group(self.pid)
+        self._stop_timer()
         self._close_stdin()
         for fd in list(self._caps):
             self._stop_reading(fd)
@@ -292,6 +321,7 @@ class Child:
                 log.warning("plugin %s left %d process(es) running, killed: %s", self._label,
                             len(self.left), ", ".join(map(str, self.left)))
         kill_group(self.pid)
+        self._stop_timer()
         self._close_stdin()
         for fd in list(self._caps):
             self._stop_reading(fd)

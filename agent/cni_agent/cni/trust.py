@@ -61,15 +61,28 @@ def untrusted_reason(path: str) -> str | None:
 
     Raises OSError when `path` cannot be resolved (missing).
     """
+    return checked(path)[0]
+
+
+def checked(path: str) -> tuple[str | None, list[tuple[str, os.stat_result]]]:
+    """`untrusted_reason(path)`, and the entries it was decided from: each
+    lstat'ed, in order (none when not root: nothing is checked then). The
+    verdict stands while each of them has the same `identity`."""
     if os.geteuid() != 0:
-        return None
+        return None, []
     walked = _walk(path)
     last = len(walked) - 1
     for i, (entry, st) in enumerate(walked):
         reason = _entry_reason(entry, st, sticky_ok=i < last)
         if reason:
-            return reason
-    return None
+            return reason, walked
+    return None, walked
+
+
+def identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
+    """What a verdict on an entry rests on: which inode, its type, mode and owner;
+    ctime changes with any chmod, chown or link (a symlink's target: a new inode)."""
+    return (st.st_dev, st.st_ino, st.st_mode, st.st_uid, st.st_ctime_ns)
 
 
 def _entry_reason(entry: str, st: os.stat_result, sticky_ok: bool = False) -> str | None:

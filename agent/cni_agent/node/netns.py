@@ -22,6 +22,7 @@ import asyncio
 import ctypes
 import errno
 import fcntl
+import functools
 import logging
 import os
 import socket
@@ -114,10 +115,17 @@ class NetnsUnknown(InvalidArgument):
 
 def _boot_id() -> str:
     try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
+        return _read_boot_id()
     except OSError:
         return ""
+
+
+@functools.cache  # a failed read is not remembered: it raised
+def _read_boot_id() -> str:
+    """This boot's id, read once (it cannot change while the agent runs): it was
+    an open and a read on every namespace pinned."""
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        return f.read().strip()
 
 
 @dataclass(frozen=True)

@@ -300,4 +300,7 @@ class ShimCalls:
             call.container_id, call.netns, call.network, call.ifname, call.args,
             call.capabilities, call.origin))
         result = doc["attachments"][0]["result"]
-        return Answer(0, json.dumps(convert_result(result, call.cni_version)))
+        if result.get("cniVersion") != call.cni_version:
+            result = convert_result(result, call.cni_version, owned=True)
+        # Else as it is: validated when its plugin printed it, and cached only then.
+        return Answer(0, json.dumps(result))
