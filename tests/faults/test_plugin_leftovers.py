@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -78,7 +79,9 @@ def test_a_hung_plugin_with_a_daemon_is_answered_at_its_deadline(
     agent = make_agent(timeouts={"add": 1, "ready": 2, "lock": 5})
     control.set("ADD", "hang", daemonize=True)
     out, took = call(agent, "Setup", "ssa{sv}", "h1", netns, "0")
-    assert out.returncode != 0 and "timed out after 1s" in out.stderr, out.stderr
+    # The plugin gets what is left of the chain's 1 s when it starts (0.999 s, say).
+    assert out.returncode != 0 and re.search(r"timed out after (1|0\.9\d*)s", out.stderr), \
+        out.stderr
     # The deadline (1 s) and the rollback's DEL; the old answer came after the
     # deadline plus reap's 5 s grace (6 s and more).
     assert took < 5, took
