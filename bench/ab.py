@@ -28,8 +28,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.crio_pattern import PLUGINS_191, ShimPod, chain, pod
-from bench.harness import Client, Lab, conflist, delete_link, proc_cpu_ns, unique
+from bench.crio_pattern import ShimPod, pod
+from bench.harness import (
+    PLUGINS_191,
+    Client,
+    Lab,
+    bridge_chain,
+    conflist,
+    delete_link,
+    proc_cpu_ns,
+    unique,
+)
 from tests.support.plugins import write_conf
 
 SUBNETS = {"base": "10.229.0.0/22", "new": "10.230.0.0/22"}
@@ -124,7 +133,7 @@ def _setup(lab: Lab, way: str, env: dict[str, str] | None, pattern: str,
     bridge = unique("ab")
     lab.cleanups.append(lambda: delete_link(bridge))
     write_conf(lab.conf_dir, "10-podnet.conflist",
-               chain("podnet", bridge, SUBNETS[way], lab.tmp / "ipam", "1.1.0"))
+               bridge_chain("podnet", bridge, SUBNETS[way], lab.tmp / "ipam", "1.1.0"))
     agent = lab.agent(start=False, plugin_dirs=[str(PLUGINS_191)])
     agent.python_args = wrapper
     agent.start(env=env)

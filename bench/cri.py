@@ -19,7 +19,6 @@ Status ratio says little (noted).
 from __future__ import annotations
 
 import functools
-import json
 import statistics
 import subprocess
 import sys
@@ -29,25 +28,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from bench.harness import Lab, delete_link, unique
+from bench.harness import Lab, bridge_chain, delete_link, reference_plugins, unique
 from bench.report import figure, ratio, result
-from tests.cri.containerd import CACHE, Containerd
+from tests.cri.containerd import Containerd
 from tests.cri.cri import CRI, Pod, PortMapping
 from tests.cri.image import build_image
 from tests.support.net import allocations
 from tests.support.plugins import write_conf
 
-PLUGINS_191 = CACHE / "cni-plugins-1.9.1"
 SUBNETS = {"own": "10.234.0.0/22", "shim": "10.235.0.0/22"}
 GOALS = {"run": 1.05, "stop": 1.05, "pod": 1.00, "burst": 1.00, "status": 0.5}
 WAYS = ("own", "shim")
-
-
-def chain(name: str, bridge: str, subnet: str, ipam: Path, version: str) -> bytes:
-    return json.dumps({"cniVersion": version, "name": name, "plugins": [
-        {"type": "bridge", "bridge": bridge, "isGateway": True, "ipMasq": False,
-         "ipam": {"type": "host-local", "subnet": subnet, "dataDir": str(ipam)}},
-        {"type": "portmap", "capabilities": {"portMappings": True}}]}).encode()
 
 
 class Pods:
@@ -87,14 +78,13 @@ def burst(pool: ThreadPoolExecutor, cri: CRI, pods: list[Pod]) -> tuple[float, f
 
 def run(smoke: bool) -> dict[str, Any]:
     rounds, warmup, bursts, size, polls = (1, 0, 1, 3, 2) if smoke else (40, 3, 3, 20, 200)
-    plugins, version = ((PLUGINS_191, "1.1.0") if (PLUGINS_191 / "portmap").exists()
-                        else (Path("/usr/lib/cni"), "1.0.0"))
+    plugins, version = reference_plugins()
     with Lab("cri") as lab:
         bridges = {way: unique("cr") for way in WAYS}
         lab.cleanups += [functools.partial(delete_link, b) for b in bridges.values()]
         ipam = lab.tmp / "ipam"
         write_conf(lab.conf_dir, "10-podnet.conflist",
-                   chain("podnet", bridges["shim"], SUBNETS["shim"], ipam, version))
+                   bridge_chain("podnet", bridges["shim"], SUBNETS["shim"], ipam, version))
         agent = lab.agent(plugin_dirs=[str(plugins)])
         assert agent.call("WaitReady", "d", "10")[0] is True, agent.log()
         image = build_image(lab.tmp)
@@ -102,7 +92,7 @@ def run(smoke: bool) -> dict[str, Any]:
                  "shim": Containerd(lab.tmp / "c-shim", lab.bus.address,
                                     shim_socket=agent.shim_socket)}
         (nodes["own"].conf_dir / "10-pods.conflist").write_bytes(
-            chain("pods", bridges["own"], SUBNETS["own"], ipam, version))
+            bridge_chain("pods", bridges["own"], SUBNETS["own"], ipam, version))
         conf = subprocess.run([sys.executable, "-m", "cni_agent", "shim-config", "--runtime",
                                "containerd", "--network", "podnet", "--name", "pods",
                                "--config", str(agent.config_path)],

@@ -33,7 +33,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -44,15 +43,23 @@ from pathlib import Path
 from typing import Any
 
 from bench.anchor import Anchor, anchor_binary
-from bench.harness import CallFailed, DirectChain, Lab, delete_link, proc_cpu_ns, unique
+from bench.harness import (
+    CallFailed,
+    DirectChain,
+    Lab,
+    bridge_chain,
+    children_cpu_ms,
+    delete_link,
+    proc_cpu_ns,
+    reference_plugins,
+    unique,
+)
 from bench.report import figure, ratio, result
 from cni_agent.cni.runtime import plugin_stdin
-from tests.cri.containerd import CACHE
 from tests.support.net import allocations
 from tests.support.plugins import write_conf
 from tests.support.shim import SHIM
 
-PLUGINS_191 = CACHE / "cni-plugins-1.9.1"
 SUBNETS = {"direct": "10.232.0.0/22", "shim": "10.233.0.0/22", "libcni": "10.231.0.0/22"}
 GOAL_CPU_MS = 1.5  # the agent's CPU per shim call
 GOAL_POD, STRETCH_POD = 1.10, 1.05  # per-pod wall, shim / direct
@@ -62,13 +69,6 @@ VERBS = ("ADD", "CHECK", "DEL")
 # What CRI-O sends on every pod; libcni passes it only to a plugin that declares it.
 RUNTIME_CONFIG = {"cgroupPath": "/kubepods/besteffort/pod-bench",
                   "io.kubernetes.cri.pod-annotations": {"kubernetes.io/config.source": "api"}}
-
-
-def chain(name: str, bridge: str, subnet: str, ipam: Path, version: str) -> bytes:
-    return json.dumps({"cniVersion": version, "name": name, "plugins": [
-        {"type": "bridge", "bridge": bridge, "isGateway": True, "ipMasq": False,
-         "ipam": {"type": "host-local", "subnet": subnet, "dataDir": str(ipam)}},
-        {"type": "portmap", "capabilities": {"portMappings": True}}]}).encode()
 
 
 def cni_args(pod: str) -> str:
@@ -115,19 +115,14 @@ class ShimPod:
             conf["prevResult"] = prev
         env = {**self.base, "CNI_COMMAND": command, "CNI_CONTAINERID": pod, "CNI_NETNS": netns,
                "CNI_IFNAME": "eth0", "CNI_ARGS": cni_args(pod)}
-        before = _children_cpu_ms()
+        before = children_cpu_ms()
         out = subprocess.run([str(SHIM)], input=json.dumps(conf).encode(), env=env,
                              capture_output=True)
         if self.count_cpu:
-            self.shim_cpu.append(_children_cpu_ms() - before)
+            self.shim_cpu.append(children_cpu_ms() - before)
         if out.returncode != 0:
             raise CallFailed(f"shim {command}: {out.stdout!r} {out.stderr!r}")
         return json.loads(out.stdout) if command == "ADD" else None
-
-
-def _children_cpu_ms() -> float:
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return (r.ru_utime + r.ru_stime) * 1000
 
 
 Runner = Callable[[str, str, str, Any], Any]
@@ -148,15 +143,14 @@ def pod(call: Runner, name: str, netns: str, times: dict[str, float] | None = No
 
 def run(smoke: bool) -> dict[str, Any]:
     rounds, warmup, bursts, size = (1, 0, 1, 3) if smoke else (40, 3, 3, 20)
-    plugins, version = ((PLUGINS_191, "1.1.0") if (PLUGINS_191 / "portmap").exists()
-                        else (Path("/usr/lib/cni"), "1.0.0"))
+    plugins, version = reference_plugins()
     with Lab("crio") as lab:
         binary = anchor_binary()
         ways = (*WAYS, "libcni") if binary is not None and binary.exists() else WAYS
         bridges = {way: unique("cp") for way in ways}
         lab.cleanups += [functools.partial(delete_link, b) for b in bridges.values()]
         ipam = lab.tmp / "ipam"
-        agent_net = chain("podnet", bridges["shim"], SUBNETS["shim"], ipam, version)
+        agent_net = bridge_chain("podnet", bridges["shim"], SUBNETS["shim"], ipam, version)
         write_conf(lab.conf_dir, "10-podnet.conflist", agent_net)
         agent = lab.agent(plugin_dirs=[str(plugins)])
         assert agent.call("WaitReady", "d", "10")[0] is True, agent.log()
@@ -166,12 +160,12 @@ def run(smoke: bool) -> dict[str, Any]:
              "podnet", "--name", "pods", "--config", str(agent.config_path)],
             capture_output=True, text=True, check=True).stdout)
         calls: dict[str, Any] = {
-            "direct": DirectPod(chain("crio", bridges["direct"], SUBNETS["direct"], ipam, version),
+            "direct": DirectPod(bridge_chain("crio", bridges["direct"], SUBNETS["direct"], ipam, version),
                                 [str(plugins)]),
             "shim": ShimPod(conf, lab.bus.address, str(agent.shim_socket)),
             "bus": ShimPod(conf, lab.bus.address, str(lab.tmp / "no-agent-here.sock"))}
         if binary is not None and "libcni" in ways:
-            anchor_conf = write_conf(lab.tmp, "libcni.conflist", chain(
+            anchor_conf = write_conf(lab.tmp, "libcni.conflist", bridge_chain(
                 "crio-libcni", bridges["libcni"], SUBNETS["libcni"], ipam, version))
             anchor = Anchor(binary, anchor_conf, plugins, lab.tmp / "libcni-cache")
             lab.cleanups.append(anchor.close)

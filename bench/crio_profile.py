@@ -24,8 +24,16 @@ import sys
 import time
 from pathlib import Path
 
-from bench.crio_pattern import PLUGINS_191, SUBNETS, ShimPod, chain, pod
-from bench.harness import Lab, delete_link, proc_cpu_ns, unique
+from bench.crio_pattern import SUBNETS, ShimPod, pod
+from bench.harness import (
+    Lab,
+    bridge_chain,
+    delete_link,
+    proc_cpu_ns,
+    reference_plugins,
+    thread_cpu_ns,
+    unique,
+)
 from tests.support.plugins import write_conf
 
 
@@ -46,13 +54,12 @@ def main() -> int:
         parser.error("needs py-spy (pip install py-spy), or --cprofile")
     args.out.mkdir(parents=True, exist_ok=True)
     prof = args.out.resolve() / "agent.prof"
-    plugins, version = ((PLUGINS_191, "1.1.0") if (PLUGINS_191 / "portmap").exists()
-                        else (Path("/usr/lib/cni"), "1.0.0"))
+    plugins, version = reference_plugins()
     with Lab("crioprof") as lab:
         bridge = unique("pp")
         lab.cleanups.append(lambda: delete_link(bridge))
         write_conf(lab.conf_dir, "10-podnet.conflist",
-                   chain("podnet", bridge, SUBNETS["shim"], lab.tmp / "ipam", version))
+                   bridge_chain("podnet", bridge, SUBNETS["shim"], lab.tmp / "ipam", version))
         agent = lab.agent(start=False, plugin_dirs=[str(plugins)])
         if args.cprofile:
             agent.python_args = [str(Path(__file__).parent / "cpuprof.py"), str(prof)]
@@ -102,17 +109,6 @@ def main() -> int:
     else:
         summarize(raw, per_call, args.top)
     return 0
-
-
-def thread_cpu_ns(pid: int) -> dict[str, int]:
-    """Each thread's time on CPU (schedstat), by thread id."""
-    out = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            out[task.name] = int((task / "schedstat").read_text().split()[0])
-        except (FileNotFoundError, ProcessLookupError):
-            pass
-    return out
 
 
 def summarize(raw: Path, per_call: float, top: int) -> None:

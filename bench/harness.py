@@ -6,6 +6,7 @@ import functools
 import itertools
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -21,9 +22,11 @@ from dbus_fast.aio import MessageBus
 from cni_agent.cni.config import parse_list
 from cni_agent.cni.exec import find_plugin
 from cni_agent.cni.runtime import plugin_stdin
+from tests.cri.containerd import CACHE
 from tests.support.agent import IFACE, NAME, PATH, Agent, Bus
 
 HERE = Path(__file__).resolve().parent
+PLUGINS_191 = CACHE / "cni-plugins-1.9.1"
 # Every netns and link the benchmarks create starts with this (the smoke test checks).
 PREFIX = "cnib"
 _counter = itertools.count()
@@ -48,6 +51,22 @@ def build_c(source: str, target: Path, **defines: str) -> Path:
 
 def conflist(name: str, plugins: Sequence[Mapping[str, Any]], version: str = "1.0.0") -> bytes:
     return json.dumps({"cniVersion": version, "name": name, "plugins": list(plugins)}).encode()
+
+
+def reference_plugins() -> tuple[Path, str]:
+    """The plugins the runtime benchmarks run, and the cniVersion they speak: 1.9.1 from the
+    test tools cache when tools/setup-system fetched it, else Debian 12's."""
+    if (PLUGINS_191 / "portmap").exists():
+        return PLUGINS_191, "1.1.0"
+    return Path("/usr/lib/cni"), "1.0.0"
+
+
+def bridge_chain(name: str, bridge: str, subnet: str, ipam: Path, version: str) -> bytes:
+    """A pod network as runtimes configure one: bridge + host-local, then portmap."""
+    return conflist(name, [
+        {"type": "bridge", "bridge": bridge, "isGateway": True, "ipMasq": False,
+         "ipam": {"type": "host-local", "subnet": subnet, "dataDir": str(ipam)}},
+        {"type": "portmap", "capabilities": {"portMappings": True}}], version)
 
 
 # --- namespaces and links --------------------------------------------------------------------
@@ -98,17 +117,28 @@ def proc_cpu(pid: int) -> tuple[float, float]:
     return (int(fields[11]) + int(fields[12])) / hz, (int(fields[13]) + int(fields[14])) / hz
 
 
-def proc_cpu_ns(pid: int) -> int:
-    """Time on CPU of all of pid's threads, in ns (schedstat: exact, where
+def thread_cpu_ns(pid: int) -> dict[str, int]:
+    """Each of pid's threads' time on CPU in ns, by thread id (schedstat: exact, where
     /proc/PID/stat counts 10 ms ticks). A thread that has exited is not counted."""
-    total = 0
+    out = {}
     for task in os.listdir(f"/proc/{pid}/task"):
         try:
             with open(f"/proc/{pid}/task/{task}/schedstat") as f:
-                total += int(f.read().split()[0])
+                out[task] = int(f.read().split()[0])
         except (FileNotFoundError, ProcessLookupError):
             pass  # the thread exited meanwhile
-    return total
+    return out
+
+
+def proc_cpu_ns(pid: int) -> int:
+    """Time on CPU of all of pid's threads, in ns."""
+    return sum(thread_cpu_ns(pid).values())
+
+
+def children_cpu_ms() -> float:
+    """CPU (user + system) of this process's waited-for children, in ms."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (r.ru_utime + r.ru_stime) * 1000
 
 
 def proc_rss_kib(pid: int) -> int:

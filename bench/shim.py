@@ -14,24 +14,18 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import resource
 import statistics
 import subprocess
 from collections.abc import Callable
 from typing import Any
 
-from bench.harness import CallFailed, Client, Lab, conflist, interleave, proc_cpu_ns
+from bench.harness import CallFailed, Client, Lab, children_cpu_ms, conflist, interleave, proc_cpu_ns
 from bench.report import figure, ratio, result
 from tests.support.plugins import write_conf
 from tests.support.shim import SHIM
 
 GOAL_EXTRA_MS, GOAL_CPU_MS, GOAL_STATUS_MS = 10.0, 8.0, 10.0
 SID = "bench-shim"
-
-
-def _children_cpu_ms() -> float:
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return (r.ru_utime + r.ru_stime) * 1000
 
 
 def run(smoke: bool) -> dict[str, Any]:
@@ -61,10 +55,10 @@ def run(smoke: bool) -> dict[str, Any]:
         def shim(command: str, stdin: str, into: str) -> None:
             env = {**base, "CNI_COMMAND": command, **(call_env if command != "STATUS" else {}),
                    "CNI_AGENT_SHIM_SOCKET": socket[into.split("_")[0]]}
-            before, agent_before = _children_cpu_ms(), proc_cpu_ns(pid)
+            before, agent_before = children_cpu_ms(), proc_cpu_ns(pid)
             daemon_before = proc_cpu_ns(lab.bus.pid)
             out = subprocess.run([str(SHIM)], input=stdin, env=env, capture_output=True, text=True)
-            cpu[into].append(_children_cpu_ms() - before)
+            cpu[into].append(children_cpu_ms() - before)
             if command == "STATUS":  # the agent's and the bus's side of a call that runs no plugin
                 cpu[f"agent_{into}"].append((proc_cpu_ns(pid) - agent_before) / 1e6)
                 cpu[f"daemon_{into}"].append((proc_cpu_ns(lab.bus.pid) - daemon_before) / 1e6)
