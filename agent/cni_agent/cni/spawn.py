@@ -296,11 +296,7 @@ class Child:
         """Kill the group, wait (briefly) for the exit and reap; the exit status
         (-N: signal N), None if it has not exited within `_EXIT_GRACE` of the
         SIGKILL (it is reaped when it does: the caller need not wait)."""
-        kill_group(self.pid)
-        self._stop_timer()
-        self._close_stdin()
-        for fd in list(self._caps):
-            self._stop_reading(fd)
+        self._kill()
         if not self._exited:
             self._exit_waiter = self._loop.create_future()
             with contextlib.suppress(TimeoutError):
@@ -313,6 +309,14 @@ class Child:
                     "when it does", self._label, _EXIT_GRACE, self.pid)
         return None
 
+    def _kill(self) -> None:
+        """Kill the group; stop the timer, feeding stdin and reading the pipes."""
+        kill_group(self.pid)
+        self._stop_timer()
+        self._close_stdin()
+        for fd in list(self._caps):
+            self._stop_reading(fd)
+
     def _reap(self) -> int:
         """Once exited: kill what it left, then its group, and reap it."""
         if self._leftovers is not None:
@@ -320,11 +324,7 @@ class Child:
             if self.left:
                 log.warning("plugin %s left %d process(es) running, killed: %s", self._label,
                             len(self.left), ", ".join(map(str, self.left)))
-        kill_group(self.pid)
-        self._stop_timer()
-        self._close_stdin()
-        for fd in list(self._caps):
-            self._stop_reading(fd)
+        self._kill()
         try:
             _, status = os.waitpid(self.pid, os.WNOHANG)  # it has exited: its pidfd said so
         finally:
