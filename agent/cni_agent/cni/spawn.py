@@ -94,8 +94,8 @@ class Child:
     """A spawned plugin: stdin fed, stdout kept up to a cap, stderr up to another."""
 
     def __init__(self, binary: str, env: Mapping[str, str], stdin: bytes,
-                 max_stdout: int, max_stderr: int, *, leftovers: Leftovers | None = None,
-                 token: str = "", label: str = "", timeout: float | None = None) -> None:
+                 max_stdout: int, max_stderr: int, *, leftovers: Leftovers,
+                 token: str, label: str = "", timeout: float | None = None) -> None:
         """Spawn `binary` in its own session (so its own process group), in the
         agent's working directory (the daemon's is /). OSError if it cannot run.
         `token`: the run's (in `env` too), for `leftovers`; `label` names it in logs.
@@ -140,8 +140,7 @@ class Child:
             for fd in ours:
                 os.close(fd)
             raise
-        if leftovers is not None:
-            leftovers.started(self.pid, token)
+        leftovers.started(self.pid, token)
         self._out_fd, self._err_fd = out_r, err_r
         self._caps = {self._out_fd: max_stdout, self._err_fd: max_stderr}
         self._bufs = {self._out_fd: bytearray(), self._err_fd: bytearray()}
@@ -319,16 +318,14 @@ class Child:
 
     def _reap(self) -> int:
         """Once exited: kill what it left, then its group, and reap it."""
-        if self._leftovers is not None:
-            self.left = self._leftovers.sweep(self.pid, self._token)
-            if self.left:
-                log.warning("plugin %s left %d process(es) running, killed: %s", self._label,
-                            len(self.left), ", ".join(map(str, self.left)))
+        self.left = self._leftovers.sweep(self.pid, self._token)
+        if self.left:
+            log.warning("plugin %s left %d process(es) running, killed: %s", self._label,
+                        len(self.left), ", ".join(map(str, self.left)))
         self._kill()
         try:
             _, status = os.waitpid(self.pid, os.WNOHANG)  # it has exited: its pidfd said so
         finally:
             os.close(self._pidfd)
-            if self._leftovers is not None:
-                self._leftovers.ended(self.pid)
+            self._leftovers.ended(self.pid)
         return os.waitstatus_to_exitcode(status)
