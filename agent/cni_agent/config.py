@@ -241,16 +241,15 @@ def _listen(source: str, key: str, value: Any) -> str:
     return text
 
 
-def _positive_int(source: str, key: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _fail(source, key, f"must be a whole number of at least 1, not {_shown(value)}")
-    return value
+def _at_least(least: int) -> Callable[[str, str, Any], int]:
+    def check(source: str, key: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise _fail(source, key, f"must be a whole number of at least {least}, not {_shown(value)}")
+        return value
+    return check
 
 
-def _count(source: str, key: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise _fail(source, key, f"must be a whole number of at least 0, not {value!r}")
-    return value
+_positive_int, _count = _at_least(1), _at_least(0)
 
 
 def _log_level(source: str, key: str, value: Any) -> str:

@@ -83,21 +83,36 @@ def find_plugin(plugin: str, dirs: Iterable[str], verb: str = "lookup") -> str:
     return _find(plugin, dirs, verb)[0]
 
 
-# What a lookup rests on: (path, None) for a dir searched before the one that
-# had the plugin (stat: no regular file there), (path, identity) for each entry
-# the trust verdict walked (lstat).
-_Proof = tuple[tuple[str, "tuple[int, ...] | None"], ...]
+@dataclass(frozen=True)
+class _Proof:
+    """What a lookup rests on: the entries the trust verdict walked, each with
+    its `identity` (lstat), and the paths in the dirs searched before the one
+    that had the plugin (stat: no regular file there)."""
+
+    walked: tuple[tuple[str, tuple[int, ...]], ...]
+    before: tuple[str, ...]
+
+    def holds(self) -> bool:
+        for path, ident in self.walked:
+            try:
+                if identity(os.lstat(path)) != ident:
+                    return False
+            except OSError:
+                return False
+        for path in self.before:
+            with contextlib.suppress(OSError):
+                if stat.S_ISREG(os.stat(path).st_mode):
+                    return False  # a plugin appeared in a dir searched first
+        return True
 
 
-def _find(plugin: str, dirs: Iterable[str], verb: str) -> tuple[str, _Proof]:
+def _find(plugin: str, dirs: Iterable[str], verb: str) -> tuple[str, _Proof | None]:
     if not plugin or "/" in plugin or plugin in (".", ".."):
         raise PluginNotFound(plugin, verb, f"invalid plugin type {plugin!r}")
     searched = []
-    proof: list[tuple[str, tuple[int, ...] | None]] = []
     for d in dirs:
         path = os.path.join(d, plugin)
         searched.append(d)
-        proof.append((path, None))
         try:
             st = os.stat(path)
         except OSError:
@@ -110,8 +125,10 @@ def _find(plugin: str, dirs: Iterable[str], verb: str) -> tuple[str, _Proof]:
             continue  # vanished meanwhile
         if reason:
             raise PluginUnsafe(plugin, verb, f"refusing to run {path}: {reason}")
-        proof[-1:] = [(entry, identity(est)) for entry, est in walked]
-        return path, tuple(proof) if walked else ()
+        if not walked:  # not root: nothing was judged, nothing to re-check
+            return path, None
+        return path, _Proof(tuple((entry, identity(est)) for entry, est in walked),
+                            tuple(os.path.join(b, plugin) for b in searched[:-1]))
     where = ", ".join(searched) or "(no plugin directories configured)"
     raise PluginNotFound(plugin, verb, f"no binary {plugin!r} in {where}")
 
@@ -132,30 +149,14 @@ class PluginLookups:
     def find(self, plugin: str, dirs: Sequence[str], verb: str) -> str:
         key = (plugin, tuple(dirs))
         hit = self._found.get(key)
-        if hit is not None and _unchanged(hit[1]):
+        if hit is not None and hit[1].holds():
             return hit[0]
         path, proof = _find(plugin, dirs, verb)
-        if proof:  # none when not root: nothing was judged, nothing to re-check
+        if proof is not None:
             if len(self._found) >= self._LIMIT:
                 self._found.clear()
             self._found[key] = (path, proof)
         return path
-
-
-def _unchanged(proof: _Proof) -> bool:
-    for path, ident in proof:
-        try:
-            st = os.stat(path) if ident is None else os.lstat(path)
-        except OSError:
-            if ident is None:
-                continue
-            return False
-        if ident is None:
-            if stat.S_ISREG(st.st_mode):
-                return False  # a plugin appeared in a dir searched first
-        elif identity(st) != ident:
-            return False
-    return True
 
 
 def decode_json(plugin: str, verb: str, out: bytes) -> Any:

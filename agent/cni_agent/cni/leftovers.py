@@ -153,12 +153,15 @@ class Leftovers:
                 found.update(map(int, data.split()))
         return found
 
+    def _strangers(self) -> set[int]:
+        """Our children that are neither a plugin in flight nor being reaped."""
+        return self._our_children() - self._running.keys() - self._reaping.keys()
+
     def sweep(self, pid: int, token: str) -> list[Left]:
         """Kill what the run of plugin `pid` (token `token`) left, and what
         finished runs left; the list of those of this run. Call it once the
         plugin has exited (its children are ours then), before it is reaped."""
-        strangers = self._our_children() - self._running.keys() - self._reaping.keys()
-        strangers.discard(pid)
+        strangers = self._strangers()  # not `pid`: it is in flight until it is reaped
         mine: list[Left] = []
         if self._killed:  # forget those their own dying parents reaped
             self._killed = {p for p in self._killed if os.path.exists(f"/proc/{p}")}
@@ -218,6 +221,5 @@ class Leftovers:
             loop.call_soon(self._collect)
 
     def _collect(self) -> None:
-        for child in self._our_children() - self._running.keys() - self._reaping.keys():
-            if child in self._killed:
-                self._reap_later(child)
+        for child in self._strangers() & self._killed:
+            self._reap_later(child)

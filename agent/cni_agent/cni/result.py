@@ -122,20 +122,20 @@ def _canonical_ip(text: str) -> str | None:
     return None
 
 
-def _cidr(value: Any, where: str) -> str:
+def _address(value: Any, where: str, canonical: Callable[[str], str | None], what: str) -> str:
     text = _str(value, where)
-    canonical = _canonical_cidr(text)
-    if canonical is None:
-        raise ResultError(f"{where}: {text!r} is not a CIDR address (ip/prefix)")
-    return canonical
+    out = canonical(text)
+    if out is None:
+        raise ResultError(f"{where}: {text!r} is not {what}")
+    return out
+
+
+def _cidr(value: Any, where: str) -> str:
+    return _address(value, where, _canonical_cidr, "a CIDR address (ip/prefix)")
 
 
 def _ip(value: Any, where: str) -> str:
-    text = _str(value, where)
-    canonical = _canonical_ip(text)
-    if canonical is None:
-        raise ResultError(f"{where}: {text!r} is not an IP address")
-    return canonical
+    return _address(value, where, _canonical_ip, "an IP address")
 
 
 @functools.lru_cache(maxsize=_CACHED)

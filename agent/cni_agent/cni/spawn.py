@@ -94,8 +94,8 @@ class Child:
     """A spawned plugin: stdin fed, stdout kept up to a cap, stderr up to another."""
 
     def __init__(self, binary: str, env: Mapping[str, str], stdin: bytes,
-                 max_stdout: int, max_stderr: int, *, leftovers: Leftovers | None = None,
-                 token: str = "", label: str = "", timeout: float | None = None) -> None:
+                 max_stdout: int, max_stderr: int, *, leftovers: Leftovers,
+                 token: str, label: str = "", timeout: float | None = None) -> None:
         """Spawn `binary` in its own session (so its own process group), in the
         agent's working directory (the daemon's is /). OSError if it cannot run.
         `token`: the run's (in `env` too), for `leftovers`; `label` names it in logs.
@@ -140,8 +140,7 @@ class Child:
             for fd in ours:
                 os.close(fd)
             raise
-        if leftovers is not None:
-            leftovers.started(self.pid, token)
+        leftovers.started(self.pid, token)
         self._out_fd, self._err_fd = out_r, err_r
         self._caps = {self._out_fd: max_stdout, self._err_fd: max_stderr}
         self._bufs = {self._out_fd: bytearray(), self._err_fd: bytearray()}
@@ -296,11 +295,7 @@ class Child:
         """Kill the group, wait (briefly) for the exit and reap; the exit status
         (-N: signal N), None if it has not exited within `_EXIT_GRACE` of the
         SIGKILL (it is reaped when it does: the caller need not wait)."""
-        kill_group(self.pid)
-        self._stop_timer()
-        self._close_stdin()
-        for fd in list(self._caps):
-            self._stop_reading(fd)
+        self._kill()
         if not self._exited:
             self._exit_waiter = self._loop.create_future()
             with contextlib.suppress(TimeoutError):
@@ -313,22 +308,24 @@ class Child:
                     "when it does", self._label, _EXIT_GRACE, self.pid)
         return None
 
-    def _reap(self) -> int:
-        """Once exited: kill what it left, then its group, and reap it."""
-        if self._leftovers is not None:
-            self.left = self._leftovers.sweep(self.pid, self._token)
-            if self.left:
-                log.warning("plugin %s left %d process(es) running, killed: %s", self._label,
-                            len(self.left), ", ".join(map(str, self.left)))
+    def _kill(self) -> None:
+        """Kill the group; stop the timer, feeding stdin and reading the pipes."""
         kill_group(self.pid)
         self._stop_timer()
         self._close_stdin()
         for fd in list(self._caps):
             self._stop_reading(fd)
+
+    def _reap(self) -> int:
+        """Once exited: kill what it left, then its group, and reap it."""
+        self.left = self._leftovers.sweep(self.pid, self._token)
+        if self.left:
+            log.warning("plugin %s left %d process(es) running, killed: %s", self._label,
+                        len(self.left), ", ".join(map(str, self.left)))
+        self._kill()
         try:
             _, status = os.waitpid(self.pid, os.WNOHANG)  # it has exited: its pidfd said so
         finally:
             os.close(self._pidfd)
-            if self._leftovers is not None:
-                self._leftovers.ended(self.pid)
+            self._leftovers.ended(self.pid)
         return os.waitstatus_to_exitcode(status)

@@ -518,10 +518,12 @@ _IFREQ_INDEX = struct.Struct("16si20x")  # ...or the index
 SIOCGIFINDEX = 0x8933
 
 
-def _prepare(target: Pinned, ifnames: Sequence[str], loopback: bool) -> tuple[list[str], bool]:
-    """Which of `ifnames` exist in the namespace; when none does and
-    `loopback`, `lo` is set up (what `ip link set lo up` does), and whether
-    this call did that. Ioctls on one socket made inside the namespace: no
+def prepare(target: Pinned, ifnames: Sequence[str], loopback: bool) -> tuple[list[str], bool]:
+    """Before a Setup's first plugin: the requested interfaces already in the
+    namespace (a Setup must not take over, or roll back, what it did not
+    create), else `lo` up when `loopback` (what `ip link set lo up` does), and
+    whether this call brought it up (`loopback_down` undoes that when the
+    Setup fails); blocking. Ioctls on one socket made inside the namespace: no
     netlink (pyroute2 cost ~1 ms of CPU per Setup), a few syscalls."""
     try:
         sock = _inside(target, lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
@@ -538,30 +540,20 @@ def _prepare(target: Pinned, ifnames: Sequence[str], loopback: bool) -> tuple[li
                         raise
                 else:
                     present.append(ifname)
-            raised = False
-            if loopback and not present:
-                name, flags = _loopback_flags(sock)
-                if not flags & _IFF_UP:
-                    fcntl.ioctl(sock, SIOCSIFFLAGS, _IFREQ.pack(name, flags | _IFF_UP))
-                    raised = True
-            return present, raised
+            return present, loopback and not present and _set_loopback(sock, up=True)
     except OSError as e:
         raise NetnsError(target.path, str(e)) from e
 
 
-def _loopback_flags(sock: socket.socket) -> tuple[bytes, int]:
+def _set_loopback(sock: socket.socket, up: bool) -> bool:
+    """Set `lo` up or down (`sock` is inside the namespace); whether it was not so."""
     req = fcntl.ioctl(sock, SIOCGIFNAME, _IFREQ_INDEX.pack(b"", _LOOPBACK_IFINDEX))
     name = _IFREQ_INDEX.unpack(req)[0]
     _, flags = _IFREQ.unpack(fcntl.ioctl(sock, SIOCGIFFLAGS, _IFREQ.pack(name, 0)))
-    return name, flags
-
-
-def prepare(target: Pinned, ifnames: Sequence[str], loopback: bool) -> tuple[list[str], bool]:
-    """Before a Setup's first plugin: the requested interfaces already in the
-    namespace (a Setup must not take over, or roll back, what it did not
-    create), else `lo` up when `loopback`, and whether this call brought it
-    up (`loopback_down` undoes that when the Setup fails); blocking."""
-    return _prepare(target, ifnames, loopback)
+    if bool(flags & _IFF_UP) == up:
+        return False
+    fcntl.ioctl(sock, SIOCSIFFLAGS, _IFREQ.pack(name, flags | _IFF_UP if up else flags & ~_IFF_UP))
+    return True
 
 
 def loopback_down(target: Pinned) -> bool:
@@ -573,9 +565,7 @@ def loopback_down(target: Pinned) -> bool:
         if any(n != "lo" for n in names):
             return False
         with _inside(target, lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM)) as sock:
-            name, flags = _loopback_flags(sock)
-            if flags & _IFF_UP:
-                fcntl.ioctl(sock, SIOCSIFFLAGS, _IFREQ.pack(name, flags & ~_IFF_UP))
+            _set_loopback(sock, up=False)
             return True
     except OSError as e:
         raise NetnsError(target.path, str(e)) from e
@@ -583,7 +573,7 @@ def loopback_down(target: Pinned) -> bool:
 
 def loopback_up(target: Pinned | str) -> None:
     """Set `lo` up inside the network namespace `target`; blocking."""
-    _pinned(target, lambda ns: _prepare(ns, (), True))
+    _pinned(target, lambda ns: prepare(ns, (), True))
 
 
 def _list_interfaces(ipr: Any) -> list[Interface]:
