@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,9 +35,14 @@ LEAVER = """#!/bin/sh
 cat >/dev/null
 case "$CNI_COMMAND" in
 ADD)
-    setsid env -i /bin/sh -c 'echo $$ > {pidfile}.tmp && mv {pidfile}.tmp {pidfile} && \
-exec /bin/sleep 300' </dev/null >/dev/null 2>&1 &
+    # A subshell in between: the daemon is an orphan (the agent's) at once.
+    ( setsid env -i /bin/sh -c 'echo $$ > {pidfile}.tmp && mv {pidfile}.tmp {pidfile} && \
+exec /bin/sleep 300' </dev/null >/dev/null 2>&1 & )
     while [ ! -s {pidfile} ]; do sleep 0.01; done
+    # With a hold file: stay in flight until it goes, then fail unless the
+    # leftover (which this run still needs) is alive.
+    while [ -e {pidfile}.hold ]; do sleep 0.01; done
+    kill -0 "$(cat {pidfile})" || {{ printf '{{"code":11,"msg":"my helper was killed"}}'; exit 1; }}
     printf '{{"cniVersion":"1.0.0","interfaces":[{{"name":"%s","sandbox":"%s"}}],"ips":[]}}' \
         "$CNI_IFNAME" "$CNI_NETNS"
     ;;
@@ -78,5 +84,50 @@ def test_a_leftover_with_a_clean_environment_in_its_own_session_is_ended(
         wait_for(lambda: zombies(agent) == [], timeout=5)
         agent.call("Teardown", "ssa{sv}", "s1", netns, "0")
     finally:
+        if left and alive(left):
+            os.kill(left, signal.SIGKILL)
+
+
+def test_a_run_in_flight_keeps_its_unmarked_helper_while_other_runs_end(
+    make_agent: Callable[..., Agent], tmp_path: Path, netns_factory: Callable[[], str],
+    testnet: Callable[..., Path],
+) -> None:
+    """Another run's end cannot tell whose an unmarked child is while an older run
+    is in flight: it leaves it, and the run in flight gets its helper until it ends."""
+    pidfile = tmp_path / "leftover.pid"
+    hold = Path(f"{pidfile}.hold")
+    plugin = tmp_path / "bin" / "leaver"
+    plugin.parent.mkdir(parents=True, exist_ok=True)
+    plugin.write_text(LEAVER.format(pidfile=pidfile))
+    os.chmod(plugin, 0o755)
+    write_conf(tmp_path / "net.d", "50-leaver.conflist",
+               conflist("leaver", [{"type": "leaver"}], "1.0.0"))
+    testnet("quick")  # the suite's test plugin: a run that starts and ends
+    agent = make_agent()
+    hold.touch()
+    slow: list[BaseException | dict[str, object]] = []
+
+    def setup_slow() -> None:
+        try:
+            slow.append(agent.setup("slow", netns_factory(), networks=[("leaver", "eth0")]))
+        except BaseException as e:  # reported below
+            slow.append(e)
+
+    runner = threading.Thread(target=setup_slow)
+    runner.start()
+    left = 0
+    try:
+        wait_for(pidfile.exists, timeout=10)
+        left = int(pidfile.read_text())
+        for i in range(3):  # runs that start and end while the slow one is in flight
+            agent.setup(f"quick{i}", netns_factory(), networks=[("quick", "eth0")])
+        assert alive(left)
+        hold.unlink()
+        runner.join(timeout=30)
+        assert slow and isinstance(slow[0], dict), slow
+        wait_for(lambda: not alive(left), timeout=5)  # its own run's end ended it
+    finally:
+        hold.unlink(missing_ok=True)
+        runner.join(timeout=30)
         if left and alive(left):
             os.kill(left, signal.SIGKILL)

@@ -28,7 +28,7 @@ from cni_agent.cni.errors import (
     PluginTimeout,
     PluginUnsafe,
 )
-from cni_agent.cni.leftovers import RUN_ENV, Leftovers, make_subreaper
+from cni_agent.cni.leftovers import RUN_ENV, Leftovers
 from cni_agent.cni.spawn import Child
 from cni_agent.cni.trust import checked, identity
 
@@ -248,9 +248,11 @@ class ProcessExecutor:
         instance: str = "",
         subreaper: bool = False,
     ) -> None:
-        """`subreaper`: make this process the reaper of what plugins leave (the
-        daemon's choice: process-wide, see `leftovers`); without it what they
-        leave in another session goes to init, unseen."""
+        """`subreaper`: make this process the reaper of what plugins leave, and
+        every child of it that is no plugin in flight a plugin's leftover (the
+        daemon's choice: process-wide, and it starts nothing but plugins; see
+        `leftovers`); without it what they leave in another session goes to
+        init, unseen."""
         self._max_stdout = max_stdout
         self._max_stderr = max_stderr
         self._busy_retries = busy_retries
@@ -261,7 +263,7 @@ class ProcessExecutor:
         self._leftovers = Leftovers()
         self._lookups = PluginLookups()
         if subreaper:
-            make_subreaper()
+            self._leftovers.adopt()
 
     def find(self, plugin: str, dirs: Sequence[str], verb: str) -> str:
         return self._lookups.find(plugin, dirs, verb)

@@ -19,9 +19,13 @@ something was left.
 A leftover is attributed to a run before it is touched: its session or
 process group is the plugin's (pid = sid = pgid: plugins start in a session
 of their own), or its environment carries the run's token (`RUN_ENV`, which
-every descendant inherits). Other children are never touched: a leftover of
-a run still in flight is left to that run's end, and a process the agent did
-not start through a plugin (a test harness's subprocess) is not ours to kill.
+every descendant inherits). A leftover of a run still in flight is left to
+that run's end. One that carries none of these marks (`setsid env -i`, a Go
+helper with its own environment) is still a plugin's in the daemon, which
+starts no process but plugins (`adopt`): it is this run's unless a run in
+flight started before it (then that run's end, or a later one, decides).
+Elsewhere (a test harness's process, with subprocesses of its own) a child
+without the marks is never touched.
 Killed ones are reaped from the event loop (a pidfd each): nothing blocks.
 """
 
@@ -64,8 +68,9 @@ class Left:
         return f"{self.pid} ({self.name})"
 
 
-def _stat(pid: int) -> tuple[str, str, int, int] | None:
-    """(comm, state, pgrp, session) of `pid`; None once it is gone."""
+def _stat(pid: int) -> tuple[str, str, int, int, int] | None:
+    """(comm, state, pgrp, session, start time in clock ticks since boot) of `pid`;
+    None once it is gone."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
@@ -75,7 +80,7 @@ def _stat(pid: int) -> tuple[str, str, int, int] | None:
     fields = tail.split()
     try:
         return (head.partition(b" (")[2].decode(errors="replace"), fields[0].decode(),
-                int(fields[2]), int(fields[3]))
+                int(fields[2]), int(fields[3]), int(fields[19]))
     except (IndexError, ValueError):
         return None
 
@@ -119,6 +124,15 @@ class Leftovers:
         self._killed: set[int] = set()  # pids killed below a leftover: reaped when they come to us
         self._count = 0
         self._files: dict[int, int] = {}  # thread id -> its open children file
+        self._adopting = False  # every child that is no plugin in flight is a plugin's
+
+    def adopt(self) -> bool:
+        """Make this process the reaper of what plugins leave, and take every child
+        of it that is no plugin in flight for a plugin's leftover, marked or not:
+        for a process that starts nothing but plugins (the daemon). False where
+        the kernel refuses."""
+        self._adopting = make_subreaper()
+        return self._adopting
 
     def token(self) -> str:
         self._count += 1
@@ -172,13 +186,15 @@ class Leftovers:
             stat = _stat(child)
             if stat is None:
                 continue
-            name, state, pgrp, session = stat
+            name, state, pgrp, session, start = stat
             if pid in (pgrp, session):
                 owner = token
             elif child in self._killed:
                 owner = ""  # killed under an earlier leftover: a zombie to reap
             else:
                 owner = _token(child)
+                if not owner and self._adopting:
+                    owner = self._unmarked(start, pid, token)
                 if not owner or owner in in_flight:
                     continue  # not a plugin's, or its run's own end will see to it
             if state != "Z":
@@ -187,6 +203,18 @@ class Leftovers:
             if owner == token:
                 mine.append(Left(child, name))
         return mine
+
+    def _unmarked(self, start: int, pid: int, token: str) -> str:
+        """Whose leftover a child without a run's marks is, started at `start`:
+        "" while a run in flight started no later (it may be that run's: its end,
+        or a later one, decides); else this run's (`token`), or an earlier
+        finished run's ("-") if it is older than plugin `pid`."""
+        for other in self._running.keys() - {pid}:
+            st = _stat(other)
+            if st is not None and st[4] <= start:
+                return ""
+        mine = _stat(pid)
+        return token if mine is None or mine[4] <= start else "-"
 
     def _kill_tree(self, top: int) -> None:
         """SIGKILL `top` and everything below it; the dead come back to us (we
