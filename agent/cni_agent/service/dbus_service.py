@@ -38,7 +38,7 @@ from cni_agent.sandboxes.checks import Outcome
 from cni_agent.sandboxes.manager import DEFAULT_IFNAME, NetworkRequest, SandboxManager, SetupRequest
 from cni_agent.sandboxes.policy import METHODS, Caller, Scope, cnicall_scope
 from cni_agent.service.auth import Authorizer
-from cni_agent.service.callers import Callers, InFlight, cnicall, error_of, invalid, sendable
+from cni_agent.service.callers import Callers, InFlight, cnicall, error_of, invalid
 from cni_agent.service.cnicall import ShimCalls, command_of
 from cni_agent.service.gate import Gate, close_all
 from cni_agent.service.limits import StrangerLimits
@@ -220,9 +220,9 @@ class AgentInterface(ServiceInterface):
         scope = METHODS[name] if scope is None else scope
         try:
             credentials = await self.authorizer.credentials(info.sender, name)
-            value = sendable(await self.callers.serve(
+            value = await self.callers.serve(
                 name, scope, credentials, work, sender=info.sender, counted=info.counted,
-                interactive=info.interactive))
+                interactive=info.interactive)
             result = "ok"
             return value
         except Exception as e:

@@ -52,7 +52,6 @@ from cni_agent.service.callers import (
     cnicall,
     error_of,
     invalid,
-    sendable,
 )
 from cni_agent.service.cnicall import MAX_CONFIG, ShimCalls, command_of
 from cni_agent.service.limits import IN_FLIGHT, MAX_TARPIT, TARPIT
@@ -282,7 +281,7 @@ class ShimSocket:
         if request.config is None:  # not read: over the caller's bound
             check_cnicall(caller, request.env, request.config_len)
             raise invalid("config", f"larger than {MAX_CONFIG} bytes")
-        return sendable(await cnicall(self.shim, caller, request.env, request.config))
+        return await cnicall(self.shim, caller, request.env, request.config)
 
 
 class _Connection(asyncio.Protocol):
