@@ -17,7 +17,6 @@ rate here, before dbus-fast serves even a property read (`limits`).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import fcntl
 import os
@@ -30,7 +29,7 @@ from dbus_fast import Message, MessageFlag, MessageType, Variant
 from cni_agent.api import ERROR_PREFIX, INTERFACE, OBJECT_PATH
 from cni_agent.sandboxes.policy import Role
 from cni_agent.service.auth import Authorizer
-from cni_agent.service.limits import MAX_TARPIT, TARPIT, StrangerLimits
+from cni_agent.service.limits import StrangerLimits
 
 # Our methods that take a descriptor (option netns_fd, D-Bus type h).
 TAKES_DESCRIPTORS = frozenset({"Setup", "Attach"})
@@ -176,14 +175,9 @@ class Gate:
             return True
         err = self.limits.over_rate()
         reply = Message.new_error(msg, ERROR_PREFIX + str(err.kind), err.message)
-        if self.limits.tarpitted >= MAX_TARPIT:
-            return reply
-        self.limits.tarpitted += 1
 
         def send() -> None:
-            self.limits.tarpitted -= 1
             with contextlib.suppress(Exception):  # the connection may be gone by now
                 self.send(reply)
 
-        asyncio.get_running_loop().call_later(TARPIT, send)
-        return True
+        return True if self.limits.tarpit(send) else reply

@@ -54,7 +54,7 @@ from cni_agent.service.callers import (
     invalid,
 )
 from cni_agent.service.cnicall import MAX_CONFIG, ShimCalls, command_of
-from cni_agent.service.limits import IN_FLIGHT, MAX_TARPIT, TARPIT
+from cni_agent.service.limits import IN_FLIGHT
 
 log = logging.getLogger(__name__)
 
@@ -269,12 +269,9 @@ class ShimSocket:
         limits = self.callers.limits
         if limits.take(caller.uid):
             return True
-        if limits.tarpitted < MAX_TARPIT:
-            limits.tarpitted += 1
-            try:
-                await asyncio.sleep(TARPIT)
-            finally:
-                limits.tarpitted -= 1
+        delayed = asyncio.Event()
+        if limits.tarpit(delayed.set):
+            await delayed.wait()
         raise limits.over_rate()
 
     async def _work(self, caller: Caller, request: Request) -> tuple[int, str]:
