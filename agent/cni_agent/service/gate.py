@@ -18,9 +18,8 @@ rate here, before dbus-fast serves even a property read (`limits`).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -58,10 +57,11 @@ def close_all(fds: tuple[int, ...] | list[int]) -> None:
             os.close(fd)
 
 
-def _cloexec(fds: list[int]) -> None:
+def close_on_exec(fds: Iterable[int]) -> None:
+    """No plugin inherits these (the daemon's inherited ones, a message's)."""
     for fd in fds:
         with contextlib.suppress(OSError):
-            fcntl.fcntl(fd, fcntl.F_SETFD, fcntl.fcntl(fd, fcntl.F_GETFD) | fcntl.FD_CLOEXEC)
+            os.set_inheritable(fd, False)
 
 
 BIG = 1 << 20
@@ -124,7 +124,7 @@ class Gate:
             and (msg.signature or "") == self._signatures.get(msg.member or "")
             and _options_ok(msg, self._options))
         if fds:
-            _cloexec(fds)
+            close_on_exec(fds)
             if not keep:
                 close_all(fds)
         if not is_call:
