@@ -130,14 +130,15 @@ class Gate:
         if not is_call:
             return None
         wants_reply = not msg.flags & MessageFlag.NO_REPLY_EXPECTED
-        if not wants_reply and not self._ours(msg):
+        ours = self._ours(msg)
+        if not wants_reply and not ours:
             # A property read or an Introspect nobody waits for does nothing
             # (and dbus-fast's handlers of those raise out of sight of any caller).
             return True
         if fds and not keep:
             if not wants_reply:
                 return True
-            if self._ours(msg):
+            if ours:
                 return Message.new_error(
                     msg, ERROR_PREFIX + "InvalidArgument",
                     f"{msg.member} takes no file descriptors" if msg.member not in
@@ -147,7 +148,7 @@ class Gate:
                                                         "file descriptors")
         counted = False
         known = self.authorizer.known(msg.sender)
-        if known is None and msg.sender and not self._ours(msg):
+        if known is None and msg.sender and not ours:
             self.authorizer.learn(msg.sender)  # ours: `_serve` identifies the caller
         elif known is not None and known.role is Role.STRANGER:
             if not self.limits.take(known.uid):
@@ -158,8 +159,8 @@ class Gate:
         self.call.set(CallInfo(msg.sender, tuple(fds) if keep else (),
                                bool(msg.flags & MessageFlag.ALLOW_INTERACTIVE_AUTHORIZATION),
                                counted, bool(wants_reply),
-                               self._ours(msg) and _weight(msg.body) > BIG))
-        if self._ours(msg) and msg.member and msg.member in self._signatures:
+                               ours and _weight(msg.body) > BIG))
+        if ours and msg.member and msg.member in self._signatures:
             expected = self._signatures[msg.member]
             if (msg.signature or "") != expected:
                 return Message.new_error(
