@@ -41,7 +41,6 @@ from cni_agent.service.auth import Authorizer
 from cni_agent.service.callers import Callers, InFlight, cnicall, error_of, invalid
 from cni_agent.service.cnicall import ShimCalls, command_of
 from cni_agent.service.gate import Gate, close_all
-from cni_agent.service.limits import StrangerLimits
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +192,7 @@ class AgentInterface(ServiceInterface):
         # Who may call, bounds, the drain's count: shared with the shim's socket.
         self.callers = Callers(authorizer)
         # The bus's message handler: descriptors and strangers' rates (gate.py).
-        self.gate = Gate(authorizer, self.limits, SIGNATURES, OPTION_KEYS)
+        self.gate = Gate(authorizer, self.callers.limits, SIGNATURES, OPTION_KEYS)
         self._collecting: asyncio.TimerHandle | None = None
         self._shown = monitor.state
         pod_cidrs.subscribe(self.on_pod_cidrs)
@@ -201,10 +200,6 @@ class AgentInterface(ServiceInterface):
     @property
     def in_flight(self) -> InFlight:
         return self.callers.in_flight
-
-    @property
-    def limits(self) -> StrangerLimits:
-        return self.callers.limits
 
     # --- plumbing -------------------------------------------------------------------
 
