@@ -126,14 +126,15 @@ class Callers:
         """Serve one call of method `name`: who calls, from `credentials`;
         whether the policy lets it (polkit, where it may decide, for a bus
         `sender`); within a stranger's bounds (`counted`: its rate was already
-        taken by the transport); then `work(caller)`. Only calls of root,
-        members and whom polkit authorized count for the shutdown's drain."""
+        taken by the transport); then `work(caller)`, whose result must be
+        `sendable`. Only calls of root, members and whom polkit authorized
+        count for the shutdown's drain."""
         caller = self.authorizer.caller(*credentials)
         with self._bounded(caller, counted):
             caller = await self.authorizer.authorize(caller, sender, name, scope, interactive)
             if caller.role is Role.STRANGER:  # a read, within the stranger's bounds
-                return await work(caller)
-        return await self._counted(name, scope, lambda: work(caller))
+                return sendable(await work(caller))
+        return sendable(await self._counted(name, scope, lambda: work(caller)))
 
     @contextmanager
     def _bounded(self, caller: Caller, counted: bool) -> Iterator[None]:

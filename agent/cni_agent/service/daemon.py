@@ -32,6 +32,7 @@ from cni_agent.readiness.monitor import NetworkState
 from cni_agent.service.auth import Authorizer
 from cni_agent.service.dbus_service import AgentInterface
 from cni_agent.service.firewalld import FirewalldWatch
+from cni_agent.service.gate import close_on_exec
 from cni_agent.service.httpd import HealthServer, ListenError
 from cni_agent.service.logs import set_log_level, setup_logging
 from cni_agent.service.notify import Notifier
@@ -62,11 +63,7 @@ def _close_on_exec_inherited() -> None:
     Python opens its own close-on-exec and the bus's gate marks those that
     arrive on messages; these are the only others.
     """
-    for name in os.listdir("/proc/self/fd"):
-        fd = int(name)
-        if fd > 2:
-            with contextlib.suppress(OSError):
-                os.set_inheritable(fd, False)
+    close_on_exec(fd for fd in map(int, os.listdir("/proc/self/fd")) if fd > 2)
 
 
 # glibc raises its mmap threshold to the largest block freed (up to 32 MiB):

@@ -38,10 +38,9 @@ from cni_agent.sandboxes.checks import Outcome
 from cni_agent.sandboxes.manager import DEFAULT_IFNAME, NetworkRequest, SandboxManager, SetupRequest
 from cni_agent.sandboxes.policy import METHODS, Caller, Scope, cnicall_scope
 from cni_agent.service.auth import Authorizer
-from cni_agent.service.callers import Callers, InFlight, cnicall, error_of, sendable
+from cni_agent.service.callers import Callers, InFlight, cnicall, error_of, invalid
 from cni_agent.service.cnicall import ShimCalls, command_of
 from cni_agent.service.gate import Gate, close_all
-from cni_agent.service.limits import StrangerLimits
 
 log = logging.getLogger(__name__)
 
@@ -92,16 +91,12 @@ def _short(e: DBusError) -> str:
     return str(e.type).rsplit(".", 1)[-1]
 
 
-def _invalid(field: str, reason: str) -> AgentError:
-    return AgentError(ErrorKind.INVALID_ARGUMENT, f"{field}: {reason}")
-
-
 def _variant(options: Mapping[str, Any], key: str) -> Any:
     v = options[key]
     expected = OPTION_KEYS[key]
     if not isinstance(v, Variant) or v.signature != expected:
         got = v.signature if isinstance(v, Variant) else type(v).__name__
-        raise _invalid(f"options.{key}", f"must have D-Bus type {expected}, not {got}")
+        raise invalid(f"options.{key}", f"must have D-Bus type {expected}, not {got}")
     return v.value
 
 
@@ -121,15 +116,15 @@ def _depth(obj: Any) -> int:
 
 def parse_capabilities(text: str) -> dict[str, Any]:
     if len(text.encode()) > MAX_CAPABILITIES_BYTES:
-        raise _invalid("options.capabilities", f"larger than {MAX_CAPABILITIES_BYTES} bytes")
+        raise invalid("options.capabilities", f"larger than {MAX_CAPABILITIES_BYTES} bytes")
     try:
         caps = json.loads(text) if text.strip() else {}
     except (ValueError, RecursionError) as e:
-        raise _invalid("options.capabilities", f"not valid JSON: {e}") from None
+        raise invalid("options.capabilities", f"not valid JSON: {e}") from None
     if not isinstance(caps, dict):
-        raise _invalid("options.capabilities", "must be a JSON object")
+        raise invalid("options.capabilities", "must be a JSON object")
     if _depth(caps) > MAX_JSON_DEPTH:
-        raise _invalid("options.capabilities", f"nested deeper than {MAX_JSON_DEPTH} levels")
+        raise invalid("options.capabilities", f"nested deeper than {MAX_JSON_DEPTH} levels")
     return caps
 
 
@@ -138,7 +133,7 @@ def parse_options(options: Mapping[str, Any], known: Sequence[str] = tuple(OPTIO
     """The `a{sv}` options of Setup/Teardown/Check (or the `known` subset), checked key by key."""
     for key in options:
         if key not in known:
-            raise _invalid("options", f"unknown key {key!r} (known: {', '.join(known)})")
+            raise invalid("options", f"unknown key {key!r} (known: {', '.join(known)})")
     out: dict[str, Any] = {}
     if "networks" in options:
         nets = []
@@ -151,9 +146,9 @@ def parse_options(options: Mapping[str, Any], known: Sequence[str] = tuple(OPTIO
         pod = dict(_variant(options, "pod"))
         unknown = set(pod) - {"namespace", "name", "uid"}
         if unknown:
-            raise _invalid("options.pod", f"unknown key {sorted(unknown)[0]!r} (known: namespace, name, uid)")
+            raise invalid("options.pod", f"unknown key {sorted(unknown)[0]!r} (known: namespace, name, uid)")
         if not pod.get("namespace") or not pod.get("name"):
-            raise _invalid("options.pod", "needs both namespace and name")
+            raise invalid("options.pod", "needs both namespace and name")
         out["pod"] = PodMeta(pod["namespace"], pod["name"], pod.get("uid", ""))
     if "capabilities" in options:
         out["capabilities"] = parse_capabilities(_variant(options, "capabilities"))
@@ -162,7 +157,7 @@ def parse_options(options: Mapping[str, Any], known: Sequence[str] = tuple(OPTIO
         # Only a descriptor the message carried: without one dbus-fast leaves the
         # index, which would name whatever file the agent has open under it.
         if not isinstance(fd, int) or fd not in fds:
-            raise _invalid("options.netns_fd", "no file descriptor came with the call")
+            raise invalid("options.netns_fd", "no file descriptor came with the call")
         out["netns_fd"] = fd
     return out
 
@@ -197,7 +192,7 @@ class AgentInterface(ServiceInterface):
         # Who may call, bounds, the drain's count: shared with the shim's socket.
         self.callers = Callers(authorizer)
         # The bus's message handler: descriptors and strangers' rates (gate.py).
-        self.gate = Gate(authorizer, self.limits, SIGNATURES, OPTION_KEYS)
+        self.gate = Gate(authorizer, self.callers.limits, SIGNATURES, OPTION_KEYS)
         self._collecting: asyncio.TimerHandle | None = None
         self._shown = monitor.state
         pod_cidrs.subscribe(self.on_pod_cidrs)
@@ -205,10 +200,6 @@ class AgentInterface(ServiceInterface):
     @property
     def in_flight(self) -> InFlight:
         return self.callers.in_flight
-
-    @property
-    def limits(self) -> StrangerLimits:
-        return self.callers.limits
 
     # --- plumbing -------------------------------------------------------------------
 
@@ -224,9 +215,9 @@ class AgentInterface(ServiceInterface):
         scope = METHODS[name] if scope is None else scope
         try:
             credentials = await self.authorizer.credentials(info.sender, name)
-            value = sendable(await self.callers.serve(
+            value = await self.callers.serve(
                 name, scope, credentials, work, sender=info.sender, counted=info.counted,
-                interactive=info.interactive))
+                interactive=info.interactive)
             result = "ok"
             return value
         except Exception as e:
@@ -424,7 +415,7 @@ class AgentInterface(ServiceInterface):
     async def WaitReady(self, timeout_seconds: float) -> bool:
         async def work(caller: Caller) -> bool:
             if not math.isfinite(timeout_seconds) or timeout_seconds < 0:
-                raise _invalid("timeout_seconds", "must be a non-negative number of seconds")
+                raise invalid("timeout_seconds", "must be a non-negative number of seconds")
             return await self.monitor.wait_ready(min(timeout_seconds, MAX_WAIT))
 
         result: bool = await self._serve("WaitReady", work)

@@ -17,11 +17,9 @@ rate here, before dbus-fast serves even a property read (`limits`).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import fcntl
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -30,7 +28,7 @@ from dbus_fast import Message, MessageFlag, MessageType, Variant
 from cni_agent.api import ERROR_PREFIX, INTERFACE, OBJECT_PATH
 from cni_agent.sandboxes.policy import Role
 from cni_agent.service.auth import Authorizer
-from cni_agent.service.limits import MAX_TARPIT, TARPIT, StrangerLimits
+from cni_agent.service.limits import StrangerLimits
 
 # Our methods that take a descriptor (option netns_fd, D-Bus type h).
 TAKES_DESCRIPTORS = frozenset({"Setup", "Attach"})
@@ -59,10 +57,11 @@ def close_all(fds: tuple[int, ...] | list[int]) -> None:
             os.close(fd)
 
 
-def _cloexec(fds: list[int]) -> None:
+def close_on_exec(fds: Iterable[int]) -> None:
+    """No plugin inherits these (the daemon's inherited ones, a message's)."""
     for fd in fds:
         with contextlib.suppress(OSError):
-            fcntl.fcntl(fd, fcntl.F_SETFD, fcntl.fcntl(fd, fcntl.F_GETFD) | fcntl.FD_CLOEXEC)
+            os.set_inheritable(fd, False)
 
 
 BIG = 1 << 20
@@ -125,20 +124,21 @@ class Gate:
             and (msg.signature or "") == self._signatures.get(msg.member or "")
             and _options_ok(msg, self._options))
         if fds:
-            _cloexec(fds)
+            close_on_exec(fds)
             if not keep:
                 close_all(fds)
         if not is_call:
             return None
         wants_reply = not msg.flags & MessageFlag.NO_REPLY_EXPECTED
-        if not wants_reply and not self._ours(msg):
+        ours = self._ours(msg)
+        if not wants_reply and not ours:
             # A property read or an Introspect nobody waits for does nothing
             # (and dbus-fast's handlers of those raise out of sight of any caller).
             return True
         if fds and not keep:
             if not wants_reply:
                 return True
-            if self._ours(msg):
+            if ours:
                 return Message.new_error(
                     msg, ERROR_PREFIX + "InvalidArgument",
                     f"{msg.member} takes no file descriptors" if msg.member not in
@@ -148,7 +148,7 @@ class Gate:
                                                         "file descriptors")
         counted = False
         known = self.authorizer.known(msg.sender)
-        if known is None and msg.sender and not self._ours(msg):
+        if known is None and msg.sender and not ours:
             self.authorizer.learn(msg.sender)  # ours: `_serve` identifies the caller
         elif known is not None and known.role is Role.STRANGER:
             if not self.limits.take(known.uid):
@@ -159,8 +159,8 @@ class Gate:
         self.call.set(CallInfo(msg.sender, tuple(fds) if keep else (),
                                bool(msg.flags & MessageFlag.ALLOW_INTERACTIVE_AUTHORIZATION),
                                counted, bool(wants_reply),
-                               self._ours(msg) and _weight(msg.body) > BIG))
-        if self._ours(msg) and msg.member and msg.member in self._signatures:
+                               ours and _weight(msg.body) > BIG))
+        if ours and msg.member and msg.member in self._signatures:
             expected = self._signatures[msg.member]
             if (msg.signature or "") != expected:
                 return Message.new_error(
@@ -176,14 +176,9 @@ class Gate:
             return True
         err = self.limits.over_rate()
         reply = Message.new_error(msg, ERROR_PREFIX + str(err.kind), err.message)
-        if self.limits.tarpitted >= MAX_TARPIT:
-            return reply
-        self.limits.tarpitted += 1
 
         def send() -> None:
-            self.limits.tarpitted -= 1
             with contextlib.suppress(Exception):  # the connection may be gone by now
                 self.send(reply)
 
-        asyncio.get_running_loop().call_later(TARPIT, send)
-        return True
+        return True if self.limits.tarpit(send) else reply

@@ -8,11 +8,12 @@ that waits for each answer slows down to our pace, and answering it costs us
 a timer, not a method); one over the in-flight bound at once. The counts are
 per uid, whatever the number of connections: a uid is known once its first
 call's credentials came back (that first call of a connection is counted
-after, by `_serve`).
+after, by `Callers.serve`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -44,7 +45,7 @@ class StrangerLimits:
         self.in_flight = in_flight
         self._clock = clock
         self._buckets: dict[int, _Bucket] = {}
-        self.tarpitted = 0  # delayed answers not yet sent
+        self._tarpitted = 0  # delayed answers not yet sent
 
     def _bucket(self, uid: int, now: float) -> _Bucket:
         b = self._buckets.get(uid)
@@ -81,3 +82,18 @@ class StrangerLimits:
     def over_rate(self) -> AgentError:
         return AgentError(ErrorKind.BUSY, f"more than {self.rate:g} calls per second from this "
                                           "uid (for callers neither root nor in the access group)")
+
+    def tarpit(self, answer: Callable[[], object]) -> bool:
+        """Call `answer` (an over-rate call's Busy) after the tarpit's delay;
+        False, and nothing scheduled, when too many wait already (answer it at
+        once). Its cost is a timer, whichever transport it came by."""
+        if self._tarpitted >= MAX_TARPIT:
+            return False
+        self._tarpitted += 1
+
+        def fire() -> None:
+            self._tarpitted -= 1
+            answer()
+
+        asyncio.get_running_loop().call_later(TARPIT, fire)
+        return True

@@ -52,10 +52,9 @@ from cni_agent.service.callers import (
     cnicall,
     error_of,
     invalid,
-    sendable,
 )
 from cni_agent.service.cnicall import MAX_CONFIG, ShimCalls, command_of
-from cni_agent.service.limits import IN_FLIGHT, MAX_TARPIT, TARPIT
+from cni_agent.service.limits import IN_FLIGHT
 
 log = logging.getLogger(__name__)
 
@@ -270,19 +269,16 @@ class ShimSocket:
         limits = self.callers.limits
         if limits.take(caller.uid):
             return True
-        if limits.tarpitted < MAX_TARPIT:
-            limits.tarpitted += 1
-            try:
-                await asyncio.sleep(TARPIT)
-            finally:
-                limits.tarpitted -= 1
+        delayed = asyncio.Event()
+        if limits.tarpit(delayed.set):
+            await delayed.wait()
         raise limits.over_rate()
 
     async def _work(self, caller: Caller, request: Request) -> tuple[int, str]:
         if request.config is None:  # not read: over the caller's bound
             check_cnicall(caller, request.env, request.config_len)
             raise invalid("config", f"larger than {MAX_CONFIG} bytes")
-        return sendable(await cnicall(self.shim, caller, request.env, request.config))
+        return await cnicall(self.shim, caller, request.env, request.config)
 
 
 class _Connection(asyncio.Protocol):
