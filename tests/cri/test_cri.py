@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import os
 import subprocess
 import time
 from collections.abc import Callable
@@ -206,23 +205,18 @@ def test_pod_annotations_and_cgroup_path_reach_a_plugin_that_declares_them(
 
 @pytest.mark.runtimes("crio")
 def test_crio_gc_at_start_up_with_no_pods_releases_what_only_the_agent_knows(
-        make_node: Callable[..., Node]) -> None:
+        make_node: Callable[..., Node], netns: str) -> None:
     # CRI-O's state was wiped (or the node rebooted into a fresh one) while the
     # agent kept an attachment made through CRI-O's network: CRI-O starts with
     # no pods and sends GC with cni.dev/valid-attachments null.
     node = make_node()
     node.start(runtime=False)
-    netns = f"/run/netns/{node.bridge}gc"
-    subprocess.run(["ip", "netns", "add", os.path.basename(netns)], check=True)
-    try:
-        conf = json.loads(node.shim_conflist())
-        plugin = {"cniVersion": conf["cniVersion"], "name": conf["name"], **conf["plugins"][0]}
-        add = run_shim(node.agent.bus.address, "ADD", plugin, cid="orphan", netns=netns)
-        assert add.rc == 0, add
-        assert node.cli("list").split() == ["orphan"] and len(node.allocations()) == 1
-        node.start_runtime()
-        until(lambda: node.cli("list").split() == [], 20)
-        assert node.allocations() == [] and netns_addresses(netns) == []
-        assert "failed to GC" not in node.runtime.log(), node.runtime.log()
-    finally:
-        subprocess.run(["ip", "netns", "del", os.path.basename(netns)], capture_output=True)
+    conf = json.loads(node.shim_conflist())
+    plugin = {"cniVersion": conf["cniVersion"], "name": conf["name"], **conf["plugins"][0]}
+    add = run_shim(node.agent.bus.address, "ADD", plugin, cid="orphan", netns=netns)
+    assert add.rc == 0, add
+    assert node.cli("list").split() == ["orphan"] and len(node.allocations()) == 1
+    node.start_runtime()
+    until(lambda: node.cli("list").split() == [], 20)
+    assert node.allocations() == [] and netns_addresses(netns) == []
+    assert "failed to GC" not in node.runtime.log(), node.runtime.log()
