@@ -26,7 +26,7 @@ import pytest
 
 from tests.daemon.conftest import bridge_plugins
 from tests.daemon.test_cli import cli
-from tests.daemon.test_drift import Monitor, metric, show
+from tests.daemon.test_drift import Monitor, attachment, metric, show
 from tests.support.agent import Agent, Bus
 from tests.support.net import addresses, allocations, link_exists
 from tests.support.plugins import Control, conflist, wait_for, write_conf
@@ -63,17 +63,6 @@ def start(make_agent: Callable[..., Agent], tmp_path: Path, **check: Any) -> Age
     return make_agent(check={"interval": 1, "repair": True, **check},
                       http={"listen": f"unix:{tmp_path / 'http.sock'}"},
                       timeouts={"ready": 2, "lock": 5, "check": 1})
-
-
-def attachment(agent: Agent, sid: str) -> dict[str, Any]:
-    """Show's attachment; {} while a repair (or a lost one's retry) runs:
-    between its DEL and its ADD the sandbox has no cached attachment to show,
-    as during a Setup."""
-    out = agent.busctl("--json=short", "call", "org.cniagent.Agent1", "/org/cniagent/Agent1",
-                       "org.cniagent.Agent1", "Show", "s", sid, check=False)
-    if out.returncode != 0:
-        return {}
-    return dict(json.loads(json.loads(out.stdout)["data"][0])["attachments"][0])
 
 
 def checked(agent: Agent, sid: str) -> dict[str, Any]:
