@@ -17,16 +17,14 @@ import socket
 import struct
 import subprocess
 import textwrap
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import unique_name
-from tests.daemon.conftest import plug
+from tests.daemon.conftest import bridge_plugins
 from tests.support.agent import Agent, as_member, as_user
-from tests.support.net import delete_link
 from tests.support.plugins import Control, conflist, wait_for, write_conf
 from tests.support.shim import (
     MAGIC,
@@ -50,16 +48,11 @@ STATUS = {"CNI_COMMAND": "STATUS", "CNI_PATH": "/usr/lib/cni"}
 
 
 @pytest.fixture
-def podnet(tmp_path: Path, control: Control) -> Iterator[str]:
+def podnet(tmp_path: Path, control: Control, bridge_name: str) -> str:
     """The agent's network "podnet": bridge + host-local, then the test plugin."""
-    bridge = unique_name("css")
-    write_conf(tmp_path / "net.d", "10-podnet.conflist", conflist("podnet", [
-        {"type": "bridge", "bridge": bridge, "isGateway": True, "ipMasq": False,
-         "ipam": {"type": "host-local", "subnet": "10.216.0.0/24",
-                  "dataDir": str(tmp_path / "ipam")}},
-        plug(control)], "1.0.0"))
-    yield "podnet"
-    delete_link(bridge)
+    write_conf(tmp_path / "net.d", "10-podnet.conflist", conflist(
+        "podnet", bridge_plugins(tmp_path, control, bridge_name, "10.216.0.0/24"), "1.0.0"))
+    return "podnet"
 
 
 def raw(path: Path, data: bytes, *, shut: bool = False, timeout: float = 30) -> Answer:
