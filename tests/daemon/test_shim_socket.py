@@ -55,21 +55,6 @@ def podnet(tmp_path: Path, control: Control, bridge_name: str) -> str:
     return "podnet"
 
 
-def raw(path: Path, data: bytes, *, shut: bool = False, timeout: float = 30) -> Answer:
-    """Send `data` (whatever it is) and read the answer; `shut`: then end the
-    writing side, as a client that has nothing more to say."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(timeout)
-        sock.connect(str(path))
-        try:
-            sock.sendall(data)
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # answered before it read it all
-        if shut:
-            sock.shutdown(socket.SHUT_WR)
-        return read_answer(sock)
-
-
 # A client of the socket, for another user's process (the system python3).
 CLIENT = """
 import asyncio, json, socket, struct, sys
@@ -256,11 +241,11 @@ def test_malformed_and_oversize_requests_are_answered_and_change_nothing(
                                                               "variables"),
     ]
     for data, text in cases:
-        answer = raw(path, data)
+        answer = exchange(path, data)
         assert (answer.status, answer.name, answer.text) == (0, ERR + "InvalidArgument", text), (
             data[:40], answer)
     # A request that ends early (the client shut its side) is answered too.
-    answer = raw(path, MAGIC + u32(100) + b"CNI_COMMAND", shut=True)
+    answer = exchange(path, MAGIC + u32(100) + b"CNI_COMMAND", shut=True)
     assert (answer.name, answer.text) == (
         ERR + "InvalidArgument", "request: it ended after 19 bytes, before its end"), answer
     # A stranger's config over 64 KiB: refused unread, as on the bus, and promptly.

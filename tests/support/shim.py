@@ -137,10 +137,17 @@ def read_answer(sock: sockets.socket) -> Answer:
     return Answer(status, data[16:16 + name_len].decode(), data[16 + name_len:].decode())
 
 
-def exchange(path: Path | str, request: bytes, timeout: float = 30) -> Answer:
-    """Connect, send `request`, read the reply."""
+def exchange(path: Path | str, request: bytes, timeout: float = 30, *,
+             shut: bool = False) -> Answer:
+    """Connect, send `request` (whatever it is), read the reply; `shut`: end the
+    writing side after it, as a client that has nothing more to say."""
     with sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
         sock.connect(str(path))
-        sock.sendall(request)
+        try:
+            sock.sendall(request)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # answered before it read it all
+        if shut:
+            sock.shutdown(sockets.SHUT_WR)
         return read_answer(sock)
