@@ -12,7 +12,7 @@ import socket as sockets
 import struct
 import subprocess
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -103,9 +103,10 @@ def readable_shim() -> str:
 MAGIC = b"CNA1"
 
 
-def frame(env: Mapping[str, str], config: bytes | str) -> bytes:
-    """A request as the shim writes it."""
-    data = b"".join(f"{k}={v}".encode() + b"\0" for k, v in env.items())
+def frame(env: Mapping[str, str] | Iterable[tuple[str, str]], config: bytes | str) -> bytes:
+    """A request as the shim writes it (`env`: a mapping, or pairs, repeats and all)."""
+    pairs = env.items() if isinstance(env, Mapping) else env
+    data = b"".join(f"{k}={v}".encode() + b"\0" for k, v in pairs)
     body = config.encode() if isinstance(config, str) else config
     return MAGIC + struct.pack(">I", len(data)) + data + struct.pack(">I", len(body)) + body
 
