@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.daemon.test_owners import as_member_gdbus, cli, own_netns
+from tests.daemon.test_owners import cli, own_netns
 from tests.support.agent import Agent, Bus, as_member, options, readable_source
 from tests.support.dbusclient import SyncClient
 from tests.support.net import addresses, allocations, link_exists
@@ -84,7 +84,7 @@ def test_a_member_cannot_configure_roots_pod_namespace_by_path_or_descriptor(
         assert "may only configure a network namespace of a user namespace it owns" in out.stderr
         assert Path(netns).name not in out.stderr  # nothing said about the namespace
     # By path, straight to the bus: refused as before.
-    out = as_member_gdbus(pods_agent, member, "Setup", "evil", netns, "{}")
+    out = pods_agent.gdbus("Setup", "evil", netns, "{}", member=member)
     assert ERR + "AccessDenied" in out.stderr, out.stderr
     # Root's pod: its eth0 and address untouched, no eth1, its record ready.
     assert addresses(netns) == [root_ip] and not link_exists("eth1", netns)
