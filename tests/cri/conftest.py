@@ -28,6 +28,7 @@ from tests.cri.containerd import BIN, Containerd
 from tests.cri.cri import CRI
 from tests.cri.crio import CRIO, CRIO_DIR
 from tests.cri.image import build_image
+from tests.cri.runtime import Runtime
 from tests.support.agent import Agent, Bus
 from tests.support.net import allocations, delete_link
 from tests.support.shim import SHIM
@@ -77,7 +78,7 @@ class Node:
             {"type": "portmap", "capabilities": {"portMappings": True}}]})
         self.network_file.write_text(self.network)
         self.image = image
-        self.runtime: Containerd | CRIO
+        self.runtime: Runtime
         if RUNTIME == "crio":
             self.runtime = CRIO(tmp / "crio", bus.address,
                                 self.cli("shim-config", "--runtime", "crio", "--drop-in"),

@@ -22,20 +22,15 @@ machine. Set for a reason each:
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
 import subprocess
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import grpc
-
-from tests.cri.cri import CRI
 from tests.cri.image import IMAGE_NAME
-from tests.support.shim import SHIM
+from tests.cri.runtime import Runtime, toml_str
 
 CACHE = Path(os.environ.get("CNI_AGENT_TEST_CACHE", "/var/cache/cni-agent-tests"))
 BIN = CACHE / "containerd" / "usr" / "bin"
@@ -82,23 +77,15 @@ def has_cap_sys_resource() -> bool:
     return bool(int(eff, 16) >> CAP_SYS_RESOURCE & 1)
 
 
-def toml_str(value: object) -> str:
-    return json.dumps(str(value))  # a TOML basic string is a JSON string here
+class Containerd(Runtime):
+    name = title = "containerd"
 
-
-class Containerd:
     def __init__(self, top: Path, bus_address: str, plugin_dirs: Sequence[Path] = (),
                  shim_socket: Path | None = None) -> None:
         """`plugin_dirs`: where containerd looks for plugins; by default only a
         directory holding the shim (a benchmark gives containerd its own chain).
         `shim_socket`: the agent's socket for the shim (None: the bus alone)."""
-        self.top = top
-        self.socket = str(top / "containerd.sock")
-        self.conf_dir = top / "net.d"
-        self.bin_dir = top / "cni-bin"
-        for d in (self.conf_dir, self.bin_dir):
-            d.mkdir(parents=True, exist_ok=True)
-        os.symlink(SHIM, self.bin_dir / "cni-agent-shim")
+        super().__init__(top, bus_address, shim_socket)
         self.config = top / "config.toml"
         self.config.write_text(CONFIG.format(
             root=toml_str(top / "root"), state=toml_str(top / "state"),
@@ -107,41 +94,12 @@ class Containerd:
             runc=toml_str(shutil.which("runc") or "runc"), runc_root=toml_str(top / "runc"),
             bin_dirs=", ".join(toml_str(d) for d in plugin_dirs or [self.bin_dir]),
             conf_dir=toml_str(self.conf_dir)))
-        self.env = {"PATH": f"{BIN}:{os.environ['PATH']}", "DBUS_SYSTEM_BUS_ADDRESS": bus_address,
-                    "CNI_AGENT_SHIM_SOCKET": str(shim_socket or "")}
-        self.log_path = top / "containerd.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.cri = CRI(self.socket)
+        self.env["PATH"] = f"{BIN}:{self.env['PATH']}"
 
-    def start(self, timeout: float = 30) -> None:
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([str(BIN / "containerd"), "--config", str(self.config)],
-                                         env=self.env, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"containerd exited {self.proc.returncode}:\n{self.log()}")
-            try:
-                if self.cri.conditions()["RuntimeReady"][0]:
-                    return
-            except (grpc.RpcError, KeyError):
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"containerd's CRI not up within {timeout}s:\n{self.log()}")
-            time.sleep(0.05)
-
-    def stop(self, timeout: float = 30) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+    def command(self) -> list[str]:
+        return [str(BIN / "containerd"), "--config", str(self.config)]
 
     def load_image(self, archive: Path) -> None:
-        """The pause image, from an OCI archive: no registry, no pull."""
         self.ctr("images", "import", str(archive))
 
     def ctr(self, *args: str) -> str:
@@ -150,21 +108,8 @@ class Containerd:
         assert p.returncode == 0, f"ctr {' '.join(args)}: {p.stdout}{p.stderr}"
         return p.stdout
 
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-6000:] if self.log_path.exists() else ""
-
-    def close(self) -> None:
-        """Everything gone: the pods (their DELs reach the agent), containerd, the
-        shims it left, the mounts under its root and state."""
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                for sandbox in self.cri.sandboxes():
-                    self.cri.stop(sandbox)
-                    self.cri.remove(sandbox)
-            except grpc.RpcError:
-                pass
-        self.stop()
-        self.cri.close()
+    def kill_leftovers(self) -> None:
+        """The shims it left (they outlive containerd by design)."""
         for pid in os.listdir("/proc"):
             try:
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -172,7 +117,3 @@ class Containerd:
                 continue
             if b"containerd-shim" in cmdline and self.socket.encode() in cmdline:
                 os.kill(int(pid), signal.SIGKILL)
-        mounts = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()]
-        for mount in sorted((m for m in mounts if m.startswith(str(self.top))), reverse=True):
-            subprocess.run(["umount", "-l", mount], capture_output=True)
-        shutil.rmtree(self.top, ignore_errors=True)

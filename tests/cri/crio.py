@@ -26,17 +26,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
-import time
 from pathlib import Path
 
-import grpc
-
-from tests.cri.containerd import CACHE, toml_str
-from tests.cri.cri import CRI
+from tests.cri.containerd import CACHE
 from tests.cri.image import IMAGE_NAME
-from tests.support.shim import SHIM
+from tests.cri.runtime import Runtime, toml_str
 
 # Where `make test-crio` puts what tools/build-crio built.
 CRIO_DIR = Path(os.environ.get("CNI_AGENT_CRIO_DIR", CACHE / "crio" / "current"))
@@ -98,21 +93,19 @@ plugin_dirs = [{bin_dirs}]
 """
 
 
-class CRIO:
+class CRIO(Runtime):
+    name, title = "crio", "CRI-O"
+
     def __init__(self, top: Path, bus_address: str, drop_in: str,
                  plugin_dirs: tuple[Path, ...] = (), shim_socket: Path | None = None) -> None:
         """`drop_in`: what `cni-agent shim-config --runtime crio --drop-in` printed.
         `plugin_dirs`: where CRI-O looks for plugins; by default only a directory
         holding the shim (a benchmark gives a CRI-O its own chain).
         `shim_socket`: the agent's socket for the shim (None: the bus alone)."""
-        self.top = top
-        self.socket = str(top / "crio.sock")
-        self.conf_dir = top / "net.d"
-        self.bin_dir = top / "cni-bin"
+        super().__init__(top, bus_address, shim_socket)
         self.config_dir = top / "crio.conf.d"
-        for d in (self.conf_dir, self.bin_dir, self.config_dir, top / "policies"):
+        for d in (self.config_dir, top / "policies"):
             d.mkdir(parents=True, exist_ok=True)
-        os.symlink(SHIM, self.bin_dir / "cni-agent-shim")
         policy = top / "policy.json"
         policy.write_text('{"default": [{"type": "insecureAcceptAnything"}]}\n')
         self.config = top / "crio.conf"
@@ -132,40 +125,13 @@ class CRIO:
         (self.config_dir / "99-test.conf").write_text(TEST_DROP_IN.format(
             conf_dir=toml_str(self.conf_dir),
             bin_dirs=", ".join(toml_str(d) for d in plugin_dirs or (self.bin_dir,))))
-        self.env = {"PATH": os.environ["PATH"], "DBUS_SYSTEM_BUS_ADDRESS": bus_address,
-                    "CNI_AGENT_SHIM_SOCKET": str(shim_socket or "")}
-        self.log_path = top / "crio.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.cri = CRI(self.socket)
+
+    def command(self) -> list[str]:
+        return [str(CRIO_DIR / "crio"), "--config", str(self.config), "--config-dir",
+                str(self.config_dir), "--log-level", "info"]
 
     def start(self, timeout: float = 60) -> None:
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [str(CRIO_DIR / "crio"), "--config", str(self.config), "--config-dir",
-                 str(self.config_dir), "--log-level", "info"],
-                env=self.env, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"crio exited {self.proc.returncode}:\n{self.log()}")
-            try:
-                if self.cri.conditions()["RuntimeReady"][0]:
-                    return
-            except (grpc.RpcError, KeyError):
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"CRI-O's CRI not up within {timeout}s:\n{self.log()}")
-            time.sleep(0.05)
-
-    def stop(self, timeout: float = 30) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        super().start(timeout)
 
     def load_image(self, archive: Path) -> None:
         """The pause image, from an OCI archive, into CRI-O's storage."""
@@ -175,23 +141,3 @@ class CRIO:
              str(self.policy), "--image-name", IMAGE_NAME, "--import-from", f"oci-archive:{archive}"],
             capture_output=True, text=True, timeout=120)
         assert p.returncode == 0, f"copyimg: {p.stdout}{p.stderr}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-6000:] if self.log_path.exists() else ""
-
-    def close(self) -> None:
-        """Everything gone: the pods (their DELs reach the agent), CRI-O, the
-        mounts under its root, runroot and namespaces dir."""
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                for sandbox in self.cri.sandboxes():
-                    self.cri.stop(sandbox)
-                    self.cri.remove(sandbox)
-            except grpc.RpcError:
-                pass
-        self.stop()
-        self.cri.close()
-        mounts = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()]
-        for mount in sorted((m for m in mounts if m.startswith(str(self.top))), reverse=True):
-            subprocess.run(["umount", "-l", mount], capture_output=True)
-        shutil.rmtree(self.top, ignore_errors=True)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import os
 import subprocess
 import time
 from collections.abc import Callable
@@ -52,6 +51,25 @@ def dnat_rules() -> str:
     return "\n".join(line for line in out.splitlines() if "DNAT" in line or "--dport" in line)
 
 
+def network_ready_follows(node: Node, fall: float, rise: float) -> tuple[float, float, float, float]:
+    """The agent's network goes and comes back, then the agent stops and starts:
+    the runtime's NetworkReady follows, false within `fall` s, true within
+    `rise` (10 s after the agent's start). The seconds each took."""
+    node.network_file.unlink()
+    gone = until(lambda: not node.cri.network_ready(), fall)
+    # What `kubectl describe node` would show: the agent's own reason.
+    assert "network podnet not found" in node.cri.conditions()["NetworkReady"][1]
+    node.network_file.write_text(node.network)
+    back = until(node.cri.network_ready, rise)
+    # The agent stops: the shim answers "not running" and NetworkReady drops.
+    assert node.agent.stop() == 0
+    stopped = until(lambda: not node.cri.network_ready(), fall)
+    assert "cni-agent is not running" in node.cri.conditions()["NetworkReady"][1]
+    node.agent.start()
+    started = until(node.cri.network_ready, 10)
+    return gone, back, stopped, started
+
+
 @pytest.mark.runtimes("containerd")
 def test_the_sandbox_gets_the_oom_score_this_node_allows(node: Node) -> None:
     # With CAP_SYS_RESOURCE containerd gives the pause process -998; without it
@@ -68,19 +86,8 @@ def test_the_sandbox_gets_the_oom_score_this_node_allows(node: Node) -> None:
 @pytest.mark.runtimes("containerd")
 def test_network_ready_follows_the_agent(node: Node) -> None:
     assert node.cri.network_ready()
-    # The agent's network goes away: containerd's STATUS (1.1.0 list) says so.
-    node.network_file.unlink()
-    gone = until(lambda: not node.cri.network_ready(), 1.0)
-    # What `kubectl describe node` would show: the agent's own reason.
-    assert "network podnet not found" in node.cri.conditions()["NetworkReady"][1]
-    node.network_file.write_text(node.network)
-    until(node.cri.network_ready, 5)
-    # The agent stops: the shim answers "not running" and NetworkReady drops.
-    assert node.agent.stop() == 0
-    stopped = until(lambda: not node.cri.network_ready(), 1.0)
-    assert "cni-agent is not running" in node.cri.conditions()["NetworkReady"][1]
-    node.agent.start()
-    back = until(node.cri.network_ready, 10)
+    # The agent's network goes, then the agent: containerd's STATUS (1.1.0 list) says so.
+    gone, _, stopped, back = network_ready_follows(node, fall=1.0, rise=5)
     print(f"NetworkReady false {gone:.3f} s after the network went, {stopped:.3f} s after the "
           f"agent stopped; true {back:.3f} s after it started")
 
@@ -158,16 +165,7 @@ def test_crio_network_ready_follows_the_agent_at_its_own_poll(node: Node) -> Non
     # fixture as a user would) sets cni_status_grace_period to 1s; a failure
     # is reported at the first poll after the grace: 5-10 s.
     until(node.cri.network_ready, 10)
-    node.network_file.unlink()
-    gone = until(lambda: not node.cri.network_ready(), 15)
-    assert "network podnet not found" in node.cri.conditions()["NetworkReady"][1]
-    node.network_file.write_text(node.network)
-    back = until(node.cri.network_ready, 10)
-    assert node.agent.stop() == 0
-    stopped = until(lambda: not node.cri.network_ready(), 15)
-    assert "cni-agent is not running" in node.cri.conditions()["NetworkReady"][1]
-    node.agent.start()
-    started = until(node.cri.network_ready, 10)
+    gone, back, stopped, started = network_ready_follows(node, fall=15, rise=10)
     print(f"CRI-O NetworkReady false {gone:.1f} s after the network went, true {back:.1f} s after "
           f"it came back; false {stopped:.1f} s after the agent stopped, true {started:.1f} s "
           "after it started")
@@ -207,23 +205,18 @@ def test_pod_annotations_and_cgroup_path_reach_a_plugin_that_declares_them(
 
 @pytest.mark.runtimes("crio")
 def test_crio_gc_at_start_up_with_no_pods_releases_what_only_the_agent_knows(
-        make_node: Callable[..., Node]) -> None:
+        make_node: Callable[..., Node], netns: str) -> None:
     # CRI-O's state was wiped (or the node rebooted into a fresh one) while the
     # agent kept an attachment made through CRI-O's network: CRI-O starts with
     # no pods and sends GC with cni.dev/valid-attachments null.
     node = make_node()
     node.start(runtime=False)
-    netns = f"/run/netns/{node.bridge}gc"
-    subprocess.run(["ip", "netns", "add", os.path.basename(netns)], check=True)
-    try:
-        conf = json.loads(node.shim_conflist())
-        plugin = {"cniVersion": conf["cniVersion"], "name": conf["name"], **conf["plugins"][0]}
-        add = run_shim(node.agent.bus.address, "ADD", plugin, cid="orphan", netns=netns)
-        assert add.rc == 0, add
-        assert node.cli("list").split() == ["orphan"] and len(node.allocations()) == 1
-        node.start_runtime()
-        until(lambda: node.cli("list").split() == [], 20)
-        assert node.allocations() == [] and netns_addresses(netns) == []
-        assert "failed to GC" not in node.runtime.log(), node.runtime.log()
-    finally:
-        subprocess.run(["ip", "netns", "del", os.path.basename(netns)], capture_output=True)
+    conf = json.loads(node.shim_conflist())
+    plugin = {"cniVersion": conf["cniVersion"], "name": conf["name"], **conf["plugins"][0]}
+    add = run_shim(node.agent.bus.address, "ADD", plugin, cid="orphan", netns=netns)
+    assert add.rc == 0, add
+    assert node.cli("list").split() == ["orphan"] and len(node.allocations()) == 1
+    node.start_runtime()
+    until(lambda: node.cli("list").split() == [], 20)
+    assert node.allocations() == [] and netns_addresses(netns) == []
+    assert "failed to GC" not in node.runtime.log(), node.runtime.log()

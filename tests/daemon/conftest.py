@@ -101,11 +101,12 @@ def testnet(tmp_path: Path, control: Control) -> Callable[..., Path]:
     return write
 
 
-def bridge_plugins(tmp_path: Path, control: Control, bridge: str) -> list[dict[str, Any]]:
+def bridge_plugins(tmp_path: Path, control: Control, bridge: str,
+                   subnet: str = "10.215.0.0/24") -> list[dict[str, Any]]:
     """bridge + host-local, then our recording plugin (which passes prevResult on)."""
     return [
         {"type": "bridge", "bridge": bridge, "isGateway": True, "ipMasq": False,
-         "ipam": {"type": "host-local", "subnet": "10.215.0.0/24", "dataDir": str(tmp_path / "ipam")}},
+         "ipam": {"type": "host-local", "subnet": subnet, "dataDir": str(tmp_path / "ipam")}},
         plug(control),
     ]
 

@@ -24,25 +24,17 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import unique_name
-from tests.daemon.conftest import plug
+from tests.daemon.conftest import bridge_plugins
 from tests.daemon.test_cli import cli
-from tests.daemon.test_drift import Monitor, metric, show
+from tests.daemon.test_drift import Monitor, attachment, metric, show
 from tests.support.agent import Agent, Bus
-from tests.support.net import addresses, allocations, delete_link, link_exists
+from tests.support.net import addresses, allocations, link_exists
 from tests.support.plugins import Control, conflist, wait_for, write_conf
 
 pytestmark = pytest.mark.root
 ERR = "org.cniagent.Agent1.Error."
 SUBNET = "10.92.6.0/24"
 REPAIRS = ("ok", "unverified", "new_address", "refused", "failed", "retry_ok", "retry_failed")
-
-
-@pytest.fixture
-def bridge() -> Iterator[str]:
-    br = unique_name("chn")
-    yield br
-    delete_link(br)
 
 
 @pytest.fixture
@@ -58,12 +50,11 @@ def pods(tmp_path: Path, control: Control, bridge: str, *, bridge_ips: bool = Fa
     host-local honours it) declares the ips capability, so a repair can ask for
     the same IP; `plugin_ips`: only the test plugin declares it (and ignores it),
     as a chain whose declaration does not reach its IPAM."""
-    br: dict[str, Any] = {"type": "bridge", "bridge": bridge, "isGateway": True,
-                          "ipMasq": False, "ipam": {"type": "host-local", "subnet": SUBNET,
-                                                    "dataDir": str(tmp_path / "ipam")}}
+    br, tail = bridge_plugins(tmp_path, control, bridge, SUBNET)
     if bridge_ips:
         br["capabilities"] = {"ips": True}
-    tail = plug(control, "testplug", **({"capabilities": {"ips": True}} if plugin_ips else {}))
+    if plugin_ips:
+        tail["capabilities"] = {"ips": True}
     write_conf(tmp_path / "net.d", "10-pods.conflist", conflist("pods", [br, tail], "1.0.0"))
 
 
@@ -72,17 +63,6 @@ def start(make_agent: Callable[..., Agent], tmp_path: Path, **check: Any) -> Age
     return make_agent(check={"interval": 1, "repair": True, **check},
                       http={"listen": f"unix:{tmp_path / 'http.sock'}"},
                       timeouts={"ready": 2, "lock": 5, "check": 1})
-
-
-def attachment(agent: Agent, sid: str) -> dict[str, Any]:
-    """Show's attachment; {} while a repair (or a lost one's retry) runs:
-    between its DEL and its ADD the sandbox has no cached attachment to show,
-    as during a Setup."""
-    out = agent.busctl("--json=short", "call", "org.cniagent.Agent1", "/org/cniagent/Agent1",
-                       "org.cniagent.Agent1", "Show", "s", sid, check=False)
-    if out.returncode != 0:
-        return {}
-    return dict(json.loads(json.loads(out.stdout)["data"][0])["attachments"][0])
 
 
 def checked(agent: Agent, sid: str) -> dict[str, Any]:
@@ -106,12 +86,12 @@ def check_of(agent: Agent, sid: str = "web") -> dict[str, Any]:
 
 
 def test_a_check_that_times_out_is_not_drift_and_is_never_repaired(
-    make_agent: Callable[..., Agent], tmp_path: Path, control: Control, bridge: str,
+    make_agent: Callable[..., Agent], tmp_path: Path, control: Control, bridge_name: str,
     netns: str, signals: Monitor,
 ) -> None:
     # The test plugin declares ips: a repair would ask for the IP, and the
     # chain would give another (host-local never sees it). Nothing may repair.
-    pods(tmp_path, control, bridge, plugin_ips=True)
+    pods(tmp_path, control, bridge_name, plugin_ips=True)
     agent = start(make_agent, tmp_path)
     agent.setup("web", netns)
     [ip] = addresses(netns)
@@ -145,10 +125,10 @@ def test_a_check_that_times_out_is_not_drift_and_is_never_repaired(
 
 
 def test_a_repair_that_would_change_the_address_is_reported_not_done(
-    make_agent: Callable[..., Agent], tmp_path: Path, control: Control, bridge: str,
+    make_agent: Callable[..., Agent], tmp_path: Path, control: Control, bridge_name: str,
     netns: str, signals: Monitor,
 ) -> None:
-    pods(tmp_path, control, bridge)  # nothing declares ips: the IP cannot be asked for
+    pods(tmp_path, control, bridge_name)  # nothing declares ips: the IP cannot be asked for
     agent = start(make_agent, tmp_path)
     agent.setup("web", netns)
     [ip] = addresses(netns)
@@ -179,14 +159,14 @@ def test_a_repair_that_would_change_the_address_is_reported_not_done(
 
 @pytest.mark.parametrize("how", ["repair_new_address", "ips_declared_but_ignored"])
 def test_a_repair_that_gives_another_address_is_never_ok(
-    make_agent: Callable[..., Agent], tmp_path: Path, control: Control, bridge: str,
+    make_agent: Callable[..., Agent], tmp_path: Path, control: Control, bridge_name: str,
     netns: str, signals: Monitor, how: str,
 ) -> None:
     if how == "repair_new_address":  # the admin allows it: re-ADD without asking for the IP
-        pods(tmp_path, control, bridge)
+        pods(tmp_path, control, bridge_name)
         agent = start(make_agent, tmp_path, repair_new_address=True)
     else:  # the re-ADD asks for the IP, and the chain gives another all the same
-        pods(tmp_path, control, bridge, plugin_ips=True)
+        pods(tmp_path, control, bridge_name, plugin_ips=True)
         agent = start(make_agent, tmp_path)
     agent.setup("web", netns)
     [before] = addresses(netns)
@@ -224,10 +204,10 @@ def lose(agent: Agent, control: Control) -> dict[str, Any]:
 
 
 def test_a_failed_repair_is_kept_lost_and_retried_until_it_succeeds_across_a_restart(
-    make_agent: Callable[..., Agent], tmp_path: Path, control: Control, bridge: str,
+    make_agent: Callable[..., Agent], tmp_path: Path, control: Control, bridge_name: str,
     netns: str, signals: Monitor,
 ) -> None:
-    pods(tmp_path, control, bridge, bridge_ips=True)  # a repair keeps the IP
+    pods(tmp_path, control, bridge_name, bridge_ips=True)  # a repair keeps the IP
     agent = start(make_agent, tmp_path)
     agent.setup("web", netns)
     [ip] = addresses(netns)
@@ -274,10 +254,10 @@ def test_a_failed_repair_is_kept_lost_and_retried_until_it_succeeds_across_a_res
 
 
 def test_teardown_of_a_sandbox_with_a_lost_attachment(
-    make_agent: Callable[..., Agent], tmp_path: Path, control: Control, bridge: str,
+    make_agent: Callable[..., Agent], tmp_path: Path, control: Control, bridge_name: str,
     netns: str,
 ) -> None:
-    pods(tmp_path, control, bridge, bridge_ips=True)
+    pods(tmp_path, control, bridge_name, bridge_ips=True)
     agent = start(make_agent, tmp_path)
     agent.setup("web", netns)
     wait_for(lambda: state(agent, "web") == "ok", timeout=5)

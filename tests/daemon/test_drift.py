@@ -80,14 +80,21 @@ def show(agent: Agent, sid: str) -> dict[str, Any]:
     return doc["attachments"][0]
 
 
-def repairs(agent: Agent, sid: str) -> int:
-    """Show's repair count; -1 while the repair runs (between its DEL and ADD the
-    sandbox has no cached attachment to show, as during a Setup)."""
+def attachment(agent: Agent, sid: str) -> dict[str, Any]:
+    """Show's attachment; {} while a repair (or a lost one's retry) runs:
+    between its DEL and its ADD the sandbox has no cached attachment to show,
+    as during a Setup."""
     out = agent.busctl("--json=short", "call", "org.cniagent.Agent1", "/org/cniagent/Agent1",
                        "org.cniagent.Agent1", "Show", "s", sid, check=False)
     if out.returncode != 0:
-        return -1
-    return int(json.loads(json.loads(out.stdout)["data"][0])["attachments"][0]["check"]["repairs"])
+        return {}
+    return dict(json.loads(json.loads(out.stdout)["data"][0])["attachments"][0])
+
+
+def repairs(agent: Agent, sid: str) -> int:
+    """Show's repair count; -1 while the repair runs."""
+    shown = attachment(agent, sid)
+    return int(shown["check"]["repairs"]) if shown else -1
 
 
 def state(agent: Agent, sid: str) -> str:

@@ -21,12 +21,11 @@ from typing import Any
 
 import pytest
 
-from tests.daemon.conftest import plug
-from tests.daemon.test_owners import as_member_gdbus, cli, own_netns
+from tests.daemon.test_owners import cli, own_netns
 from tests.support.agent import Agent, Bus, as_member, options, readable_source
 from tests.support.dbusclient import SyncClient
 from tests.support.net import addresses, allocations, link_exists
-from tests.support.plugins import Control, conflist, write_conf
+from tests.support.plugins import Control
 
 pytestmark = pytest.mark.root
 ERR = "org.cniagent.Agent1.Error."
@@ -85,7 +84,7 @@ def test_a_member_cannot_configure_roots_pod_namespace_by_path_or_descriptor(
         assert "may only configure a network namespace of a user namespace it owns" in out.stderr
         assert Path(netns).name not in out.stderr  # nothing said about the namespace
     # By path, straight to the bus: refused as before.
-    out = as_member_gdbus(pods_agent, member, "Setup", "evil", netns, "{}")
+    out = pods_agent.gdbus("Setup", "evil", netns, "{}", member=member)
     assert ERR + "AccessDenied" in out.stderr, out.stderr
     # Root's pod: its eth0 and address untouched, no eth1, its record ready.
     assert addresses(netns) == [root_ip] and not link_exists("eth1", netns)
@@ -135,10 +134,10 @@ def test_an_interface_already_in_the_namespace_is_never_taken_over_even_by_root(
 
 
 def test_a_members_gc_loop_never_reaps_roots_sandboxes(
-    make_agent: Callable[..., Agent], permissive_bus: Bus, tmp_path: Path, control: Control,
-    member: str, netns: str,
+    make_agent: Callable[..., Agent], permissive_bus: Bus, testnet: Callable[..., Path],
+    control: Control, member: str, netns: str,
 ) -> None:
-    write_conf(tmp_path / "net.d", "50-testnet.conflist", conflist("testnet", [plug(control)]))
+    testnet()
     agent = make_agent(bus=permissive_bus, access={"groups": [member], "networks": ["testnet"]})
     client = SyncClient(agent.bus.address)
     try:
@@ -174,9 +173,9 @@ def test_a_members_gc_loop_never_reaps_roots_sandboxes(
 
 
 @pytest.fixture
-def two_nets(tmp_path: Path, control: Control) -> None:
+def two_nets(testnet: Callable[..., Path]) -> None:
     for name in ("testnet", "testnet-v6"):
-        write_conf(tmp_path / "net.d", f"50-{name}.conflist", conflist(name, [plug(control)]))
+        testnet(name)
 
 
 def test_two_sandboxes_never_share_one_cache_entry(
@@ -266,10 +265,10 @@ def test_a_members_capabilities_are_the_admins_to_open(
 
 
 def test_a_member_holds_at_most_max_sandboxes(
-    make_agent: Callable[..., Agent], permissive_bus: Bus, tmp_path: Path, control: Control,
+    make_agent: Callable[..., Agent], permissive_bus: Bus, testnet: Callable[..., Path],
     member: str,
 ) -> None:
-    write_conf(tmp_path / "net.d", "50-testnet.conflist", conflist("testnet", [plug(control)]))
+    testnet()
     agent = make_agent(bus=permissive_bus, access={"groups": [member], "networks": ["testnet"],
                                                    "max_sandboxes": 2})
     mine = own_netns(member)

@@ -146,24 +146,15 @@ def test_roots_sandboxes_are_not_a_members_to_see_or_touch(
         cli(member_agent, member, "show", "rootpod").stderr.replace("rootpod", "X")
     # Its Teardown and Detach of "rootpod" are of its own (nothing): root's stays.
     assert cli(member_agent, member, "teardown", "rootpod").returncode == 0
-    out = as_member_gdbus(member_agent, member, "Detach", "rootpod", "", "", "eth0", "{}")
+    out = member_agent.gdbus("Detach", "rootpod", "", "", "eth0", "{}", member=member)
     assert out.returncode == 0, out.stderr
     # A member's GC list speaks for its own sandboxes only.
-    out = as_member_gdbus(member_agent, member, "GarbageCollect", "@as []")
+    out = member_agent.gdbus("GarbageCollect", "@as []", member=member)
     assert out.returncode == 0, out.stderr
     assert cli(member_agent, member, "list").stdout.split() == []
     assert member_agent.call("ListSandboxes")[0] == ["rootpod"]
     assert len(addresses(netns)) == 1 and len(allocations(tmp_path / "ipam", "pods")) == 1
     assert json.loads(member_agent.call("Show", "s", "rootpod")[0])["state"] == "ready"
-
-
-def as_member_gdbus(agent: Agent, member: str, method: str, *args: str
-                    ) -> subprocess.CompletedProcess[str]:
-    """gdbus as `member`, with its groups (Agent.gdbus's user= drops them)."""
-    return subprocess.run([*as_member(member), "gdbus", "call", "--address", agent.bus.address,
-                           "--dest", "org.cniagent.Agent1", "--object-path",
-                           "/org/cniagent/Agent1", "--method", f"org.cniagent.Agent1.{method}",
-                           *args], capture_output=True, text=True, timeout=60)
 
 
 def test_callers_outside_the_group_are_bounded(

@@ -19,7 +19,7 @@ import pytest
 
 from tests.daemon.conftest import plug
 from tests.daemon.test_cli import cli, ok
-from tests.support.agent import Agent, Bus, as_member, as_user_python, member_cli
+from tests.support.agent import Agent, Bus, as_user_python, member_cli
 from tests.support.plugins import Control, wait_for
 
 pytestmark = pytest.mark.root
@@ -174,10 +174,7 @@ def test_only_root_may_change_or_reset_the_nodes_pod_cidrs(
     for args in (["--reset"], ["10.99.0.0/24"]):
         out = member_cli(agent.bus.address, member, "pod-cidrs", *args)
         assert out.returncode == 4 and "changes the whole node: root's" in out.stderr, out
-    out = subprocess.run([*as_member(member), "gdbus", "call", "--address", agent.bus.address,
-                          "--dest", "org.cniagent.Agent1", "--object-path", "/org/cniagent/Agent1",
-                          "--method", "org.cniagent.Agent1.Reload"],
-                         capture_output=True, text=True, timeout=60)
+    out = agent.gdbus("Reload", member=member)
     assert ERR + "AccessDenied" in out.stderr and "root's" in out.stderr, out.stderr
     assert agent.prop("PodCIDRs") == ["10.244.7.0/24"] and agent.prop("PodCIDRsSource") == "saved"
     agent.call("ResetPodCIDRs")

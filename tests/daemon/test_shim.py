@@ -20,7 +20,7 @@ from tests.daemon.conftest import plug
 from tests.support.agent import Agent
 from tests.support.net import addresses, allocations, delete_link
 from tests.support.plugins import Control, conflist, wait_for, write_conf
-from tests.support.shim import SHIM, Way, readable_shim, run_shim, shim_conf, shim_env
+from tests.support.shim import SHIM, Reply, Way, readable_shim, run_shim, shim_conf, shim_env
 
 pytestmark = pytest.mark.root
 
@@ -133,6 +133,17 @@ def test_several_networks_on_one_container_are_added_and_removed_one_by_one(
     assert ipam(tmp_path, "blue") == [] and agent.call("ListSandboxes")[0] == []
 
 
+def add_pods(agent: Agent, shim: Callable[..., Reply], netns_factory: Callable[[], str],
+             *pods: tuple[dict[str, Any], str]) -> dict[str, str]:
+    """Each (runtime network's config, container id) ADDed through the shim, then
+    "setup" by Setup, each in a namespace of its own: the namespaces, by id."""
+    spaces = {cid: netns_factory() for _, cid in pods} | {"setup": netns_factory()}
+    for conf, cid in pods:
+        assert shim("ADD", conf, cid=cid, netns=spaces[cid]).rc == 0
+    agent.setup("setup", spaces["setup"])
+    return spaces
+
+
 def test_gc_removes_only_what_this_runtime_network_made_and_no_longer_lists(
     make_agent: Callable[..., Agent], way: Way, bridges: Callable[..., str],
     netns_factory: Callable[[], str], tmp_path: Path,
@@ -141,11 +152,8 @@ def test_gc_removes_only_what_this_runtime_network_made_and_no_longer_lists(
     agent = make_agent()
     shim = way.shim(agent)
     conf, other = shim_conf("pods", "podnet"), shim_conf("other-runtime", "podnet")
-    spaces = {cid: netns_factory() for cid in ("c1", "c2", "c3", "c4", "setup")}
-    for cid in ("c1", "c2", "c3"):
-        assert shim("ADD", conf, cid=cid, netns=spaces[cid]).rc == 0
-    assert shim("ADD", other, cid="c4", netns=spaces["c4"]).rc == 0
-    agent.setup("setup", spaces["setup"])
+    spaces = add_pods(agent, shim, netns_factory, (conf, "c1"), (conf, "c2"), (conf, "c3"),
+                      (other, "c4"))
     assert len(ipam(tmp_path, "podnet")) == 5
 
     gc = shim("GC", {**conf, "cni.dev/valid-attachments": [
@@ -171,11 +179,7 @@ def test_a_gc_with_a_null_list_as_crio_sends_at_start_up_with_no_pods_keeps_none
     agent = make_agent()
     shim = way.shim(agent)
     conf, other = shim_conf("crio", "podnet"), shim_conf("other-runtime", "podnet")
-    spaces = {cid: netns_factory() for cid in ("c1", "c2", "c3", "setup")}
-    for cid in ("c1", "c2"):
-        assert shim("ADD", conf, cid=cid, netns=spaces[cid]).rc == 0
-    assert shim("ADD", other, cid="c3", netns=spaces["c3"]).rc == 0
-    agent.setup("setup", spaces["setup"])
+    spaces = add_pods(agent, shim, netns_factory, (conf, "c1"), (conf, "c2"), (other, "c3"))
 
     gc = shim("GC", {**conf, "cni.dev/valid-attachments": None,
                      "cni.dev/attachments": None})

@@ -17,16 +17,14 @@ import socket
 import struct
 import subprocess
 import textwrap
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import unique_name
-from tests.daemon.conftest import plug
+from tests.daemon.conftest import bridge_plugins
 from tests.support.agent import Agent, as_member, as_user
-from tests.support.net import delete_link
 from tests.support.plugins import Control, conflist, wait_for, write_conf
 from tests.support.shim import (
     MAGIC,
@@ -50,31 +48,11 @@ STATUS = {"CNI_COMMAND": "STATUS", "CNI_PATH": "/usr/lib/cni"}
 
 
 @pytest.fixture
-def podnet(tmp_path: Path, control: Control) -> Iterator[str]:
+def podnet(tmp_path: Path, control: Control, bridge_name: str) -> str:
     """The agent's network "podnet": bridge + host-local, then the test plugin."""
-    bridge = unique_name("css")
-    write_conf(tmp_path / "net.d", "10-podnet.conflist", conflist("podnet", [
-        {"type": "bridge", "bridge": bridge, "isGateway": True, "ipMasq": False,
-         "ipam": {"type": "host-local", "subnet": "10.216.0.0/24",
-                  "dataDir": str(tmp_path / "ipam")}},
-        plug(control)], "1.0.0"))
-    yield "podnet"
-    delete_link(bridge)
-
-
-def raw(path: Path, data: bytes, *, shut: bool = False, timeout: float = 30) -> Answer:
-    """Send `data` (whatever it is) and read the answer; `shut`: then end the
-    writing side, as a client that has nothing more to say."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(timeout)
-        sock.connect(str(path))
-        try:
-            sock.sendall(data)
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # answered before it read it all
-        if shut:
-            sock.shutdown(socket.SHUT_WR)
-        return read_answer(sock)
+    write_conf(tmp_path / "net.d", "10-podnet.conflist", conflist(
+        "podnet", bridge_plugins(tmp_path, control, bridge_name, "10.216.0.0/24"), "1.0.0"))
+    return "podnet"
 
 
 # A client of the socket, for another user's process (the system python3).
@@ -263,11 +241,11 @@ def test_malformed_and_oversize_requests_are_answered_and_change_nothing(
                                                               "variables"),
     ]
     for data, text in cases:
-        answer = raw(path, data)
+        answer = exchange(path, data)
         assert (answer.status, answer.name, answer.text) == (0, ERR + "InvalidArgument", text), (
             data[:40], answer)
     # A request that ends early (the client shut its side) is answered too.
-    answer = raw(path, MAGIC + u32(100) + b"CNI_COMMAND", shut=True)
+    answer = exchange(path, MAGIC + u32(100) + b"CNI_COMMAND", shut=True)
     assert (answer.name, answer.text) == (
         ERR + "InvalidArgument", "request: it ended after 19 bytes, before its end"), answer
     # A stranger's config over 64 KiB: refused unread, as on the bus, and promptly.

@@ -59,8 +59,7 @@ def test_an_add_printing_garbage_with_nul_bytes_gets_a_named_error(
 ) -> None:
     testnet()
     agent = make_agent()
-    control.data["ADD"] = action
-    control.write()
+    control.set("ADD", **action)
     assert_named(gdbus(agent, "Setup", f"g-{name}", netns, "{}"), "PluginFailed",
                  "output is not JSON")
     assert agent.call("ListSandboxes")[0] == []  # rolled back, as any failed ADD

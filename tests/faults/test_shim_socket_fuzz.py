@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from tests.support.agent import Agent, as_user
-from tests.support.shim import MAGIC, NO_BUS, run_shim, shim_conf
+from tests.support.shim import MAGIC, NO_BUS, frame, run_shim, shim_conf
 from tests.support.stranger import idle_fds, rss_kib, settle_fds
 
 pytestmark = pytest.mark.root
@@ -83,11 +83,6 @@ for line in sys.stdin:
             out = {"error": repr(e)}
     print(json.dumps(out), flush=True)
 """
-
-
-def frame(env: list[tuple[str, str]], config: bytes) -> bytes:
-    data = b"".join(f"{k}={v}".encode() + b"\0" for k, v in env)
-    return MAGIC + struct.pack(">I", len(data)) + data + struct.pack(">I", len(config)) + config
 
 
 @st.composite

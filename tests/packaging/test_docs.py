@@ -8,7 +8,6 @@ agent.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import subprocess
@@ -22,9 +21,7 @@ import pytest
 import yaml
 
 from cni_agent.api import ErrorKind
-from cni_agent.cli import exits
 from cni_agent.cli.commands import build_parser
-from cni_agent.config import AgentConfig
 from cni_agent.service.metrics import Metrics
 from tests.conftest import unique_name
 from tests.support.agent import Agent, Bus
@@ -34,6 +31,10 @@ from tests.support.docs import (
     REPO,
     anchors,
     code_spans,
+    commands,
+    config_defaults,
+    documented_defaults,
+    exit_statuses,
     fixed_parts,
     links,
     pages,
@@ -189,20 +190,6 @@ def test_the_dbus_page_names_exactly_the_xmls_errors() -> None:
 # --- configuration -------------------------------------------------------------------
 
 
-def config_defaults(obj: Any = None, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """(dotted key, default) of every configuration key, from the code."""
-    obj = AgentConfig() if obj is None else obj
-    for f in dataclasses.fields(obj):
-        if f.name in ("source", "sources", "origins"):
-            continue  # where the values were read, not a key
-        key = prefix + ("del" if f.name == "delete" else f.name)
-        value = getattr(obj, f.name)
-        if dataclasses.is_dataclass(value):
-            yield from config_defaults(value, key + ".")
-        else:
-            yield key, list(value) if isinstance(value, tuple) else value
-
-
 def flatten(doc: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
     for key, value in doc.items():
         if isinstance(value, dict):
@@ -217,20 +204,10 @@ def test_the_configuration_page_gives_every_key_with_the_agents_default() -> Non
     block = re.search(r"The keys, with their defaults:\n\n```yaml\n(.*?)```", page, re.S)
     assert block is not None
     assert dict(flatten(yaml.safe_load(block.group(1)))) == code
-    table = next(t for t in tables(section(page, "Keys")) if t.header[:2] == ("key", "default"))
-    documented = {code_spans(k)[0]: yaml.safe_load(code_spans(d)[0]) for k, d, _ in table.rows}
-    assert documented == code
+    assert documented_defaults(page) == code
 
 
 # --- the CLI ---------------------------------------------------------------------------
-
-
-def commands(parser: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    for action in parser._actions:
-        if action.__class__.__name__ == "_SubParsersAction":
-            for name, sub in action.choices.items():
-                yield f"{prefix}{name}", sub
-                yield from commands(sub, f"{prefix}{name} ")
 
 
 def test_the_cli_page_names_every_command_and_option() -> None:
@@ -246,10 +223,6 @@ def test_the_cli_page_names_every_command_and_option() -> None:
                 if flag.startswith("--") and flag != "--help":
                     assert flag in page, f"cni-agent {name} {flag} is not in docs/cli.md"
     assert "`cni-agent --version`" in rows and "--bus" in page
-
-
-def exit_statuses() -> set[int]:
-    return {v for k, v in vars(exits).items() if k.startswith("EXIT_")}
 
 
 def test_the_cli_page_gives_every_exit_status() -> None:

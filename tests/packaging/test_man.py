@@ -9,7 +9,6 @@ Built with the distribution's docutils (tools/build-man), as the packages do.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import re
@@ -22,10 +21,17 @@ import pytest
 import yaml
 
 from cni_agent.api import ErrorKind
-from cni_agent.cli import exits
 from cni_agent.cli.commands import build_parser
 from cni_agent.config import AgentConfig
-from tests.support.docs import code_spans, section, tables
+from tests.support.docs import (
+    code_spans,
+    commands,
+    config_defaults,
+    documented_defaults,
+    exit_statuses,
+    section,
+    tables,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 MAN = REPO / "docs" / "man"
@@ -52,15 +58,6 @@ def test_each_page_renders_without_a_warning(built: Path, page: str) -> None:
     assert out.returncode == 0 and out.stderr == "", out.stderr
     name = page.rsplit(".", 1)[0]
     assert out.stdout.startswith(f"{name.upper()}({page.rsplit('.', 1)[1]})"), out.stdout[:80]
-
-
-def commands(parser: argparse.ArgumentParser, prefix: str = "") -> Iterator[
-        tuple[str, argparse.ArgumentParser]]:
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for name, sub in action.choices.items():
-                yield f"{prefix}{name}", sub
-                yield from commands(sub, f"{prefix}{name} ")
 
 
 def test_cni_agent_8_names_every_command_and_option() -> None:
@@ -155,29 +152,10 @@ def man_defaults() -> dict[str, object]:
     return {key: yaml.safe_load(value) for key, value in found}
 
 
-def docs_defaults() -> dict[str, object]:
-    """docs/configuration.md's table of keys: `key` | `default` | what."""
-    page = section((DOCS / "configuration.md").read_text(), "Keys")
-    table = next(t for t in tables(page) if t.header[:2] == ("key", "default"))
-    return {code_spans(k)[0]: yaml.safe_load(code_spans(d)[0]) for k, d, _ in table.rows}
-
-
-def code_defaults(obj: object = None, prefix: str = "") -> dict[str, object]:
-    obj = AgentConfig() if obj is None else obj
-    out: dict[str, object] = {}
-    for f in dataclasses.fields(obj):  # type: ignore[arg-type]
-        if f.name in ("source", "sources", "origins"):
-            continue
-        key, value = prefix + ("del" if f.name == "delete" else f.name), getattr(obj, f.name)
-        if dataclasses.is_dataclass(value):
-            out.update(code_defaults(value, key + "."))
-        else:
-            out[key] = list(value) if isinstance(value, tuple) else value
-    return out
-
-
 def test_every_key_of_cni_agent_yaml_5_is_in_the_docs_with_the_same_default() -> None:
-    man, docs, code = man_defaults(), docs_defaults(), code_defaults()
+    man = man_defaults()
+    docs = documented_defaults((DOCS / "configuration.md").read_text())
+    code = dict(config_defaults())
     assert man == code, "cni-agent.yaml(5)'s keys and defaults are not the code's"
     assert docs == man, "docs/configuration.md's keys and defaults are not cni-agent.yaml(5)'s"
 
@@ -212,8 +190,7 @@ def test_cni_agent_8_and_docs_cli_md_describe_the_same_commands_and_exit_statuse
     assert man_commands() == docs_commands() == parser
     cli = (DOCS / "cli.md").read_text()
     table = next(tables(section(cli, "Exit status")))
-    constants = {v for k, v in vars(exits).items() if k.startswith("EXIT_")}
-    assert man_exit_statuses() == {int(s) for s in table.column("status")} == constants
+    assert man_exit_statuses() == {int(s) for s in table.column("status")} == exit_statuses()
 
 
 def test_org_cniagent_agent1_5_and_docs_dbus_api_md_name_the_same_members() -> None:

@@ -223,12 +223,15 @@ class Agent:
         out = self.busctl("--json=short", "get-property", NAME, PATH, IFACE, name, **kw)
         return json.loads(out.stdout)["data"]
 
-    def gdbus(self, method: str, *args: str, user: str | None = None,
+    def gdbus(self, method: str, *args: str, user: str | None = None, member: str | None = None,
               timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        """`user`: run as that user alone; `member`: as that user with its groups."""
         cmd = ["gdbus", "call", "--address", self.bus.address, "--dest", NAME,
                "--object-path", PATH, "--method", f"{IFACE}.{method}", *args]
         if user:
             cmd = [*as_user(user), *cmd]
+        if member:
+            cmd = [*as_member(member), *cmd]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
     def setup(self, sandbox: str, netns: str, **opts: Any) -> dict[str, Any]:

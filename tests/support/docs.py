@@ -1,15 +1,24 @@
 """Reading the Markdown of README.md and docs/ as tests need it: sections,
-tables, code spans, links; and the agent's own texts, to check a quoted
-message against what the code can print."""
+tables, code spans, links; the agent's own texts, to check a quoted message
+against what the code can print; and what the pages (and the man pages) must
+match in the code: its commands, exit statuses and configuration defaults."""
 
 from __future__ import annotations
 
+import argparse
 import ast
+import dataclasses
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import Any
+
+import yaml
+
+from cni_agent.cli import exits
+from cni_agent.config import AgentConfig
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
@@ -201,3 +210,42 @@ def printed(part: str, pieces: frozenset[str] | None = None) -> bool:
             return True
         reached.update(i + len(p) for p in middle if rest.startswith(p))
     return False
+
+
+# --- what the pages must match in the code -------------------------------------------------
+
+
+def commands(parser: argparse.ArgumentParser, prefix: str = "") -> Iterator[
+        tuple[str, argparse.ArgumentParser]]:
+    """(name, parser) of every command, a group's own too ("config check")."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield f"{prefix}{name}", sub
+                yield from commands(sub, f"{prefix}{name} ")
+
+
+def exit_statuses() -> set[int]:
+    """The CLI's exit statuses: cli/exits.py's EXIT_* constants."""
+    return {v for k, v in vars(exits).items() if k.startswith("EXIT_")}
+
+
+def config_defaults(obj: Any = None, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted key, default) of every configuration key, from the code."""
+    obj = AgentConfig() if obj is None else obj
+    for f in dataclasses.fields(obj):
+        if f.name in ("source", "sources", "origins"):
+            continue  # where the values were read, not a key
+        key = prefix + ("del" if f.name == "delete" else f.name)
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from config_defaults(value, key + ".")
+        else:
+            yield key, list(value) if isinstance(value, tuple) else value
+
+
+def documented_defaults(configuration_md: str) -> dict[str, Any]:
+    """docs/configuration.md's table of keys (its section "Keys"): `key` | `default` | what."""
+    page = section(configuration_md, "Keys")
+    table = next(t for t in tables(page) if t.header[:2] == ("key", "default"))
+    return {code_spans(k)[0]: yaml.safe_load(code_spans(d)[0]) for k, d, _ in table.rows}

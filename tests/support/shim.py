@@ -12,7 +12,7 @@ import socket as sockets
 import struct
 import subprocess
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -103,9 +103,10 @@ def readable_shim() -> str:
 MAGIC = b"CNA1"
 
 
-def frame(env: Mapping[str, str], config: bytes | str) -> bytes:
-    """A request as the shim writes it."""
-    data = b"".join(f"{k}={v}".encode() + b"\0" for k, v in env.items())
+def frame(env: Mapping[str, str] | Iterable[tuple[str, str]], config: bytes | str) -> bytes:
+    """A request as the shim writes it (`env`: a mapping, or pairs, repeats and all)."""
+    pairs = env.items() if isinstance(env, Mapping) else env
+    data = b"".join(f"{k}={v}".encode() + b"\0" for k, v in pairs)
     body = config.encode() if isinstance(config, str) else config
     return MAGIC + struct.pack(">I", len(data)) + data + struct.pack(">I", len(body)) + body
 
@@ -137,10 +138,17 @@ def read_answer(sock: sockets.socket) -> Answer:
     return Answer(status, data[16:16 + name_len].decode(), data[16 + name_len:].decode())
 
 
-def exchange(path: Path | str, request: bytes, timeout: float = 30) -> Answer:
-    """Connect, send `request`, read the reply."""
+def exchange(path: Path | str, request: bytes, timeout: float = 30, *,
+             shut: bool = False) -> Answer:
+    """Connect, send `request` (whatever it is), read the reply; `shut`: end the
+    writing side after it, as a client that has nothing more to say."""
     with sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
         sock.connect(str(path))
-        sock.sendall(request)
+        try:
+            sock.sendall(request)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # answered before it read it all
+        if shut:
+            sock.shutdown(sockets.SHUT_WR)
         return read_answer(sock)

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from cni_agent.main import main
+from tests.support.plugins import conflist, write_conf
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[dict[str, Any], str]:
@@ -24,7 +25,6 @@ def agent_config(tmp_path: Path) -> str:
     """An agent configuration whose conf_dir holds three networks (in load order):
     one that runs the shim (never the default), podnet, and annotated."""
     conf_dir = tmp_path / "net.d"
-    conf_dir.mkdir()
     networks = {
         "05-loop": ("loop", [{"type": "cni-agent-shim", "capabilities": {"ips": True}}]),
         "10-podnet": ("podnet", [
@@ -37,8 +37,7 @@ def agent_config(tmp_path: Path) -> str:
                                                  "cgroupPath": True}}]),
     }
     for stem, (name, plugins) in networks.items():
-        (conf_dir / f"{stem}.conflist").write_text(json.dumps(
-            {"cniVersion": "1.0.0", "name": name, "plugins": plugins}))
+        write_conf(conf_dir, f"{stem}.conflist", conflist(name, plugins, "1.0.0"))
     config = tmp_path / "agent.yaml"
     config.write_text(f"conf_dir: {conf_dir}\n")
     return str(config)
