@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import unique_name
-from tests.daemon.test_owners import as_member_gdbus, cli, own_netns
+from tests.daemon.test_owners import cli, own_netns
 from tests.support.agent import Agent, Bus
 from tests.support.net import allocations
 
@@ -82,10 +82,10 @@ def test_a_member_reaches_nothing_of_another_members_sandboxes(
             out = cli(agent, bob, "show", name)
             assert out.returncode == 4 and "is not one of uid" in out.stderr, (name, out)
             assert cli(agent, bob, "teardown", name).returncode == 0  # his own: nothing
-            out = as_member_gdbus(agent, bob, "Detach", name, "", "", "eth0", "{}")
+            out = agent.gdbus("Detach", name, "", "", "eth0", "{}", member=bob)
             assert out.returncode == 0, out.stderr
         # His GC with an empty list speaks for his sandboxes only.
-        assert as_member_gdbus(agent, bob, "GarbageCollect", "@as []").returncode == 0
+        assert agent.gdbus("GarbageCollect", "@as []", member=bob).returncode == 0
         assert cli(agent, bob, "list").stdout.split() == []
         assert agent.call("ListSandboxes")[0] == [full]
         assert json.loads(agent.call("Show", "s", full)[0])["state"] == "ready"
