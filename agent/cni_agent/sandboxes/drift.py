@@ -23,7 +23,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable, Collection
+from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,11 +31,13 @@ from cni_agent.api import AgentError, ErrorKind
 from cni_agent.cni.errors import CNIError
 from cni_agent.node.blocking import UNANSWERED
 from cni_agent.node.locks import LockTimeout
+from cni_agent.node.netns import Pinned
 from cni_agent.sandboxes.checks import Outcome, Yielded
+from cni_agent.sandboxes.journal import Entries
 from cni_agent.sandboxes.manager import SandboxManager, check_document
 from cni_agent.sandboxes.order import Kind
 from cni_agent.sandboxes.policy import ROOT, Caller, Policy, not_yours
-from cni_agent.sandboxes.records import Phase
+from cni_agent.sandboxes.records import Phase, SandboxRecord
 
 log = logging.getLogger(__name__)
 
@@ -258,57 +260,63 @@ class DriftPasses:
         (a request on it goes first); when to look again if they are still due."""
         m = self.manager
         try:
-            with m.order.arrive(sid, Kind.BACKGROUND) as ticket:
-                if ticket.superseded.is_set() or m.locks.busy(sid):
-                    return 1.0
-                async with m.locks.hold(sid, 0):
-                    rec, entries = await m.journal.view(sid)
-                    if rec is None or rec.phase is not Phase.READY:
-                        return 1.0  # torn down (or being): nothing to retry
-                    async with m.journal.live_netns(rec, entries) as ns:
-                        if ns is None:
-                            return 1.0  # its namespace is gone: the reaper's
-                        now = time.time()
-                        for att in rec.attachments:
-                            current = rec.attachment(att.ifname)
-                            if current is not None and current.lost is not None and \
-                                    current.lost.next_try <= now:
-                                _, rec = await m.checks.retry_lost(rec, current, ns)
+            async with self._ready(sid, wait=0.0, background=True) as held:
+                if held is not None:
+                    rec, _, ns, _ = held
+                    now = time.time()
+                    for att in rec.attachments:
+                        current = rec.attachment(att.ifname)
+                        if current is not None and current.lost is not None and \
+                                current.lost.next_try <= now:
+                            _, rec = await m.checks.retry_lost(rec, current, ns)
             return 1.0
-        except LockTimeout:
+        except (LockTimeout, Yielded):
             return 1.0
         except (*UNANSWERED, AgentError, CNIError) as e:
             log.warning("lost attachments of sandbox %s not retried now (again in %gs): %s",
                         sid, m.checks.retry_base, e)
             return m.checks.retry_base
 
-    async def _sandbox(self, sid: str, report: PassReport, *, wait: float, background: bool,
-                       unchecked_only: bool = False) -> None:
+    @contextlib.asynccontextmanager
+    async def _ready(self, sid: str, *, wait: float, background: bool
+                     ) -> AsyncIterator[tuple[SandboxRecord, Entries, Pinned,
+                                              asyncio.Event | None] | None]:
+        """The sandbox under its lock, if it is ready and its namespace is the
+        recorded one: its record, cache entries, namespace and (`background`)
+        the event that a request on it arrived; else None.
+
+        `background`: Yielded at once if it is busy or a request arrived (not
+        tried, so not a refusal); else wait for its lock like any request."""
         m = self.manager
         kind = Kind.BACKGROUND if background else Kind.OTHER
         with m.order.arrive(sid, kind) as ticket:
             stop = ticket.superseded if background else None
-            try:
-                # Busy here is not a refusal: not tried, so not counted as one.
-                if stop is not None and (stop.is_set() or m.locks.busy(sid)):
+            if stop is not None and (stop.is_set() or m.locks.busy(sid)):
+                raise Yielded()
+            async with m.locks.hold(sid, wait):
+                if stop is not None and stop.is_set():
                     raise Yielded()
-                async with m.locks.hold(sid, wait):
-                    if stop is not None and stop.is_set():
-                        raise Yielded()
-                    rec, entries = await m.journal.view(sid)
-                    if rec is None or rec.phase is not Phase.READY:
-                        return
-                    # A namespace that is gone or replaced is the reaper's, not ours.
-                    async with m.journal.live_netns(rec, entries) as ns:
-                        if ns is None:
-                            return
-                        report.outcomes.extend(await m.checks.run_locked(
-                            rec, entries, ns, stop=stop, unchecked_only=unchecked_only))
-            except (LockTimeout, Yielded):
-                report.busy.append(sid)
-            except UNANSWERED as e:
-                report.errors.append(f"sandbox {sid}: not checked: {e}")
-            except AgentError as e:
-                report.errors.append(f"sandbox {sid}: not checked: {e.message}")
-            except CNIError as e:  # its record could not be written: the next pass retries
-                report.errors.append(f"sandbox {sid}: {e}")
+                rec, entries = await m.journal.view(sid)
+                if rec is None or rec.phase is not Phase.READY:
+                    yield None  # torn down (or being): nothing to do
+                    return
+                # A namespace that is gone or replaced is the reaper's, not ours.
+                async with m.journal.live_netns(rec, entries) as ns:
+                    yield None if ns is None else (rec, entries, ns, stop)
+
+    async def _sandbox(self, sid: str, report: PassReport, *, wait: float, background: bool,
+                       unchecked_only: bool = False) -> None:
+        try:
+            async with self._ready(sid, wait=wait, background=background) as held:
+                if held is not None:
+                    rec, entries, ns, stop = held
+                    report.outcomes.extend(await self.manager.checks.run_locked(
+                        rec, entries, ns, stop=stop, unchecked_only=unchecked_only))
+        except (LockTimeout, Yielded):
+            report.busy.append(sid)
+        except UNANSWERED as e:
+            report.errors.append(f"sandbox {sid}: not checked: {e}")
+        except AgentError as e:
+            report.errors.append(f"sandbox {sid}: not checked: {e.message}")
+        except CNIError as e:  # its record could not be written: the next pass retries
+            report.errors.append(f"sandbox {sid}: {e}")
