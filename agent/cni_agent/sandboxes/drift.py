@@ -189,7 +189,7 @@ class DriftPasses:
         m = self.manager
         asked = {m.own_id(caller, sid, field="sandbox_ids") for sid in sandbox_ids}
         records, _ = await asyncio.to_thread(m.journal.store.all, Policy.own_prefix(caller))
-        mine = {r.sandbox_id for r in records if caller.root or r.owner == caller.uid}
+        mine = {r.sandbox_id for r in records if Policy.owns(caller, r.owner)}
         for sid in sorted(asked - mine):
             if not caller.root:
                 raise not_yours(sid, caller)

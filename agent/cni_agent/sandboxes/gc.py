@@ -35,6 +35,7 @@ from cni_agent.node.locks import LockTimeout, NetworkLocks, SandboxLocks
 from cni_agent.node.netns import Pinned
 from cni_agent.sandboxes.journal import Journal, Removal, Unconfirmed
 from cni_agent.sandboxes.order import Kind, Sequencer
+from cni_agent.sandboxes.policy import ROOT, Caller, Policy
 from cni_agent.sandboxes.records import Phase, SandboxRecord
 
 log = logging.getLogger(__name__)
@@ -139,23 +140,23 @@ class Reaper:
                 log.exception("reaping pass failed; the next one runs in %gs", self.interval)
 
     async def collect(self, valid_ids: Collection[str] | None = None, verbs: bool = True, *,
-                      owner: int | None = None, prefix: str = "") -> GCReport:
+                      caller: Caller = ROOT) -> GCReport:
         """Reap stale attachments and (with `verbs`) send GC; `valid_ids`
         overrides liveness detection.
 
-        With `owner`, only that uid's sandboxes (those whose ids begin
-        `prefix`) are looked at, and no GC verb is sent. Whether a sandbox is
-        reaped is decided under its lock: never one set up after this call
-        arrived, never another owner's, whatever the snapshot said.
+        A `caller` other than root speaks for its own sandboxes only (those
+        in its id space are looked at), and sends no GC verb. Whether a
+        sandbox is reaped is decided under its lock: never one set up after
+        this call arrived, never another owner's, whatever the snapshot said.
         """
         since = self.journal.generation
         await self.recovered.wait()
         report = GCReport()
-        snap = await asyncio.to_thread(self._snapshot, prefix)
+        snap = await asyncio.to_thread(self._snapshot, Policy.own_prefix(caller))
         candidates = await self._candidates(snap, valid_ids, report)
         for sid in candidates:
-            await self._reap(sid, valid_ids, report, wait=0, since=since, owner=owner)
-        if verbs and owner is None:
+            await self._reap(sid, valid_ids, report, wait=0, since=since, caller=caller)
+        if verbs and caller.root:
             await self._send_gc_verbs([n for n in self._networks() if self._gc_verb(n.name)],
                                       report)
         for err in report.errors:
@@ -282,14 +283,14 @@ class Reaper:
     # --- one sandbox, under its lock ----------------------------------------------
 
     async def _reap(self, sid: str, valid_ids: Collection[str] | None, report: GCReport,
-                    wait: float, since: int | None = None, owner: int | None = None) -> None:
+                    wait: float, since: int | None = None, caller: Caller = ROOT) -> None:
         try:
             async with self._hold(sid, wait):
                 with log_fields(SANDBOX_ID=sid):
                     rec, entries = await self.journal.view(sid)
                     if since is not None and self.journal.born_after(sid, since):
                         return  # set up after this GC arrived: not for it to judge
-                    if owner is not None and (rec is None or rec.owner != owner):
+                    if not Policy.owns(caller, rec.owner if rec else None):
                         return  # another owner's: a caller's GC speaks for its own only
                     async with self.journal.live_netns(rec, entries) as ns:
                         await self._reap_locked(sid, rec, entries, ns, valid_ids, report)

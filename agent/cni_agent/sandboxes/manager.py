@@ -488,7 +488,7 @@ class SandboxManager:
             records = self.journal.store.all(Policy.own_prefix(caller))[0]
             if not caller.root:
                 return sorted(Policy.shown(caller, r.sandbox_id) for r in records
-                              if r.phase is Phase.READY and r.owner == caller.uid)
+                              if r.phase is Phase.READY and Policy.owns(caller, r.owner))
             ids = {r.sandbox_id for r in records if r.phase is Phase.READY}
             ids.update(e.container_id for e in self.journal.runtime.cache.all())
             return sorted(ids)
@@ -504,8 +504,7 @@ class SandboxManager:
         with classified():
             self.gate()
             valid = {self.own_id(caller, sid, field="valid_sandbox_ids") for sid in valid_ids}
-            report = await self.reaper.collect(valid, owner=None if caller.root else caller.uid,
-                                               prefix=Policy.own_prefix(caller))
+            report = await self.reaper.collect(valid, caller=caller)
         if report.errors:
             # Only the disk's refusals: the DELs ran, the bookkeeping waits for it.
             kind = ErrorKind.STATE_ERROR if len(report.unrecorded) == len(report.errors) \
