@@ -151,14 +151,17 @@ class DriftPasses:
                 log.warning("check: %s", err)
 
     async def run(self, sandbox_ids: Collection[str] | None = None, *, why: str = "scheduled",
-                  background: bool = True) -> PassReport:
-        """One pass over the ready sandboxes (those of `sandbox_ids` when given).
+                  background: bool = True, records: list[SandboxRecord] | None = None
+                  ) -> PassReport:
+        """One pass over the ready sandboxes (those of `sandbox_ids` when given),
+        as `records` lists them (read here when not given).
 
         `background`: yield to requests, skip busy sandboxes; else (a caller
         asked) wait for each lock like any request."""
         m = self.manager
         await m.reaper.recovered.wait()
-        records, _ = await asyncio.to_thread(m.journal.store.all)
+        if records is None:
+            records = (await asyncio.to_thread(m.journal.store.all))[0]
         if sandbox_ids is None:
             m.checks.retain({r.sandbox_id for r in records})
         wanted = None if sandbox_ids is None else set(sandbox_ids)
@@ -188,6 +191,7 @@ class DriftPasses:
         then each attachment's check state as Show reports it."""
         m = self.manager
         asked = {m.own_id(caller, sid, field="sandbox_ids") for sid in sandbox_ids}
+        await m.reaper.recovered.wait()
         records, _ = await asyncio.to_thread(m.journal.store.all, Policy.own_prefix(caller))
         mine = {r.sandbox_id for r in records if Policy.owns(caller, r.owner)}
         for sid in sorted(asked - mine):
@@ -195,7 +199,7 @@ class DriftPasses:
                 raise not_yours(sid, caller)
             raise AgentError(ErrorKind.NOT_FOUND, f"sandbox {sid} is not set up")
         wanted = asked or mine
-        report = await self.run(wanted, why="asked", background=False)
+        report = await self.run(wanted, why="asked", background=False, records=records)
         if report.errors:
             raise AgentError(ErrorKind.PLUGIN_FAILED, report.errors[0])
         drifted = {(o.sandbox_id, o.ifname) for o in report.outcomes if o.drifted}
