@@ -25,9 +25,9 @@ import logging
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
-from cni_agent.cni.cache import CachedAttachment, ResultCache
+from cni_agent.cni.cache import CachedAttachment
 from cni_agent.cni.config import NetworkConfigList
-from cni_agent.cni.errors import CacheError, CNIError
+from cni_agent.cni.errors import CacheError
 from cni_agent.cni.logctx import log_fields
 from cni_agent.cni.result import version_at_least
 from cni_agent.node.blocking import UNANSWERED
@@ -227,10 +227,8 @@ class Reaper:
         listing = self.journal.store.scan(prefix)
         entries: dict[str, list[CachedAttachment]] = {}
         if prefix:
-            cache = self.journal.runtime.cache
             for r in listing.records:
-                entries[r.sandbox_id] = [e for a in r.attachments
-                                         if (e := _read(cache, a.network, r.sandbox_id, a.ifname))]
+                entries[r.sandbox_id] = self.journal.recorded_entries(r)
         else:
             for e in self.journal.runtime.cache.all():
                 entries.setdefault(e.container_id, []).append(e)
@@ -388,13 +386,6 @@ def _released(rec: SandboxRecord, origin: str, valid: Collection[tuple[str, str]
     return {a.ifname for a in rec.attachments
             if a.origin == origin and a.phase is Phase.READY
             and (rec.sandbox_id, a.ifname) not in valid}
-
-
-def _read(cache: ResultCache, network: str, sid: str, ifname: str) -> CachedAttachment | None:
-    try:
-        return cache.read(network, sid, ifname)
-    except CNIError:
-        return None
 
 
 def _in(rec: SandboxRecord | None, entry: CachedAttachment) -> bool:
