@@ -30,7 +30,7 @@ from cni_agent.cni.cache import CachedAttachment
 from cni_agent.cni.config import NetworkConfigList
 from cni_agent.cni.errors import CNIError, InvalidArgument, NoCachedResult
 from cni_agent.cni.logctx import log_fields
-from cni_agent.node.netns import NetnsError, Pinned
+from cni_agent.node.netns import Pinned
 from cni_agent.sandboxes.errors import classified
 from cni_agent.sandboxes.journal import is_recorded
 from cni_agent.sandboxes.manager import (
@@ -39,7 +39,6 @@ from cni_agent.sandboxes.manager import (
     SandboxManager,
     lost_error,
     no_netns,
-    rollback_error,
     shown,
     unless_hung,
     unrecorded_error,
@@ -154,23 +153,14 @@ class Attachments:
         new = rec is None
         if rec is None:
             rec = SandboxRecord(req.sandbox_id, req.netns, ns.identity, (), owner=req.caller.uid)
+        def failed(att: Attachment, e: CNIError) -> None:
+            log.warning("ADD of %s/%s for %s failed, rolling back: %s", att.network,
+                        att.ifname, req.sandbox_id, e)
+
         async with m.admission.admitted(req.caller, m.policy, req.sandbox_id, req.capabilities,
                                         new_sandbox=new):
-            with m.journal.claiming(req.sandbox_id, [att]):
-                try:
-                    # A new sandbox: lo first, before an intent exists (nothing to undo).
-                    rec, lo = await m.journal.begin_add(rec, [att], ns, loopback=new)
-                except NetnsError as e:
-                    raise AgentError(ErrorKind.PLUGIN_FAILED, f"cannot bring up lo: {e}") from e
-                try:
-                    result = await m.journal.add(rec, att, net, ns, commit=[att.ifname])
-                except CNIError as e:
-                    log.warning("ADD of %s/%s for %s failed, rolling back: %s", att.network,
-                                att.ifname, req.sandbox_id, e)
-                    undo = await m.journal.remove(rec, [att.ifname], ns)
-                    if lo:  # this call brought lo up: the namespace as it found it
-                        await m.journal.loopback_down(req.sandbox_id, ns)
-                    raise rollback_error(e, undo) from e
+            # A new sandbox: lo first, before an intent exists (nothing to undo).
+            [result] = await m.add_new(rec, [att], [net], ns, loopback=new, failed=failed)
         return attachment_document(req.sandbox_id, att.network, att.ifname, result)
 
     @staticmethod

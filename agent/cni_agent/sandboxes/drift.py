@@ -23,7 +23,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable, Collection
+from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,11 +31,13 @@ from cni_agent.api import AgentError, ErrorKind
 from cni_agent.cni.errors import CNIError
 from cni_agent.node.blocking import UNANSWERED
 from cni_agent.node.locks import LockTimeout
+from cni_agent.node.netns import Pinned
 from cni_agent.sandboxes.checks import Outcome, Yielded
+from cni_agent.sandboxes.journal import Entries
 from cni_agent.sandboxes.manager import SandboxManager, check_document
 from cni_agent.sandboxes.order import Kind
 from cni_agent.sandboxes.policy import ROOT, Caller, Policy, not_yours
-from cni_agent.sandboxes.records import Phase
+from cni_agent.sandboxes.records import Phase, SandboxRecord
 
 log = logging.getLogger(__name__)
 
@@ -149,14 +151,17 @@ class DriftPasses:
                 log.warning("check: %s", err)
 
     async def run(self, sandbox_ids: Collection[str] | None = None, *, why: str = "scheduled",
-                  background: bool = True) -> PassReport:
-        """One pass over the ready sandboxes (those of `sandbox_ids` when given).
+                  background: bool = True, records: list[SandboxRecord] | None = None
+                  ) -> PassReport:
+        """One pass over the ready sandboxes (those of `sandbox_ids` when given),
+        as `records` lists them (read here when not given).
 
         `background`: yield to requests, skip busy sandboxes; else (a caller
         asked) wait for each lock like any request."""
         m = self.manager
         await m.reaper.recovered.wait()
-        records, _ = await asyncio.to_thread(m.journal.store.all)
+        if records is None:
+            records = (await asyncio.to_thread(m.journal.store.all))[0]
         if sandbox_ids is None:
             m.checks.retain({r.sandbox_id for r in records})
         wanted = None if sandbox_ids is None else set(sandbox_ids)
@@ -186,14 +191,15 @@ class DriftPasses:
         then each attachment's check state as Show reports it."""
         m = self.manager
         asked = {m.own_id(caller, sid, field="sandbox_ids") for sid in sandbox_ids}
+        await m.reaper.recovered.wait()
         records, _ = await asyncio.to_thread(m.journal.store.all, Policy.own_prefix(caller))
-        mine = {r.sandbox_id for r in records if caller.root or r.owner == caller.uid}
+        mine = {r.sandbox_id for r in records if Policy.owns(caller, r.owner)}
         for sid in sorted(asked - mine):
             if not caller.root:
                 raise not_yours(sid, caller)
             raise AgentError(ErrorKind.NOT_FOUND, f"sandbox {sid} is not set up")
         wanted = asked or mine
-        report = await self.run(wanted, why="asked", background=False)
+        report = await self.run(wanted, why="asked", background=False, records=records)
         if report.errors:
             raise AgentError(ErrorKind.PLUGIN_FAILED, report.errors[0])
         drifted = {(o.sandbox_id, o.ifname) for o in report.outcomes if o.drifted}
@@ -258,57 +264,63 @@ class DriftPasses:
         (a request on it goes first); when to look again if they are still due."""
         m = self.manager
         try:
-            with m.order.arrive(sid, Kind.BACKGROUND) as ticket:
-                if ticket.superseded.is_set() or m.locks.busy(sid):
-                    return 1.0
-                async with m.locks.hold(sid, 0):
-                    rec, entries = await m.journal.view(sid)
-                    if rec is None or rec.phase is not Phase.READY:
-                        return 1.0  # torn down (or being): nothing to retry
-                    async with m.journal.live_netns(rec, entries) as ns:
-                        if ns is None:
-                            return 1.0  # its namespace is gone: the reaper's
-                        now = time.time()
-                        for att in rec.attachments:
-                            current = rec.attachment(att.ifname)
-                            if current is not None and current.lost is not None and \
-                                    current.lost.next_try <= now:
-                                _, rec = await m.checks.retry_lost(rec, current, ns)
+            async with self._ready(sid, wait=0.0, background=True) as held:
+                if held is not None:
+                    rec, _, ns, _ = held
+                    now = time.time()
+                    for att in rec.attachments:
+                        current = rec.attachment(att.ifname)
+                        if current is not None and current.lost is not None and \
+                                current.lost.next_try <= now:
+                            _, rec = await m.checks.retry_lost(rec, current, ns)
             return 1.0
-        except LockTimeout:
+        except (LockTimeout, Yielded):
             return 1.0
         except (*UNANSWERED, AgentError, CNIError) as e:
             log.warning("lost attachments of sandbox %s not retried now (again in %gs): %s",
                         sid, m.checks.retry_base, e)
             return m.checks.retry_base
 
-    async def _sandbox(self, sid: str, report: PassReport, *, wait: float, background: bool,
-                       unchecked_only: bool = False) -> None:
+    @contextlib.asynccontextmanager
+    async def _ready(self, sid: str, *, wait: float, background: bool
+                     ) -> AsyncIterator[tuple[SandboxRecord, Entries, Pinned,
+                                              asyncio.Event | None] | None]:
+        """The sandbox under its lock, if it is ready and its namespace is the
+        recorded one: its record, cache entries, namespace and (`background`)
+        the event that a request on it arrived; else None.
+
+        `background`: Yielded at once if it is busy or a request arrived (not
+        tried, so not a refusal); else wait for its lock like any request."""
         m = self.manager
         kind = Kind.BACKGROUND if background else Kind.OTHER
         with m.order.arrive(sid, kind) as ticket:
             stop = ticket.superseded if background else None
-            try:
-                # Busy here is not a refusal: not tried, so not counted as one.
-                if stop is not None and (stop.is_set() or m.locks.busy(sid)):
+            if stop is not None and (stop.is_set() or m.locks.busy(sid)):
+                raise Yielded()
+            async with m.locks.hold(sid, wait):
+                if stop is not None and stop.is_set():
                     raise Yielded()
-                async with m.locks.hold(sid, wait):
-                    if stop is not None and stop.is_set():
-                        raise Yielded()
-                    rec, entries = await m.journal.view(sid)
-                    if rec is None or rec.phase is not Phase.READY:
-                        return
-                    # A namespace that is gone or replaced is the reaper's, not ours.
-                    async with m.journal.live_netns(rec, entries) as ns:
-                        if ns is None:
-                            return
-                        report.outcomes.extend(await m.checks.run_locked(
-                            rec, entries, ns, stop=stop, unchecked_only=unchecked_only))
-            except (LockTimeout, Yielded):
-                report.busy.append(sid)
-            except UNANSWERED as e:
-                report.errors.append(f"sandbox {sid}: not checked: {e}")
-            except AgentError as e:
-                report.errors.append(f"sandbox {sid}: not checked: {e.message}")
-            except CNIError as e:  # its record could not be written: the next pass retries
-                report.errors.append(f"sandbox {sid}: {e}")
+                rec, entries = await m.journal.view(sid)
+                if rec is None or rec.phase is not Phase.READY:
+                    yield None  # torn down (or being): nothing to do
+                    return
+                # A namespace that is gone or replaced is the reaper's, not ours.
+                async with m.journal.live_netns(rec, entries) as ns:
+                    yield None if ns is None else (rec, entries, ns, stop)
+
+    async def _sandbox(self, sid: str, report: PassReport, *, wait: float, background: bool,
+                       unchecked_only: bool = False) -> None:
+        try:
+            async with self._ready(sid, wait=wait, background=background) as held:
+                if held is not None:
+                    rec, entries, ns, stop = held
+                    report.outcomes.extend(await self.manager.checks.run_locked(
+                        rec, entries, ns, stop=stop, unchecked_only=unchecked_only))
+        except (LockTimeout, Yielded):
+            report.busy.append(sid)
+        except UNANSWERED as e:
+            report.errors.append(f"sandbox {sid}: not checked: {e}")
+        except AgentError as e:
+            report.errors.append(f"sandbox {sid}: not checked: {e.message}")
+        except CNIError as e:  # its record could not be written: the next pass retries
+            report.errors.append(f"sandbox {sid}: {e}")

@@ -25,9 +25,9 @@ import logging
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
-from cni_agent.cni.cache import CachedAttachment, ResultCache
+from cni_agent.cni.cache import CachedAttachment
 from cni_agent.cni.config import NetworkConfigList
-from cni_agent.cni.errors import CacheError, CNIError
+from cni_agent.cni.errors import CacheError
 from cni_agent.cni.logctx import log_fields
 from cni_agent.cni.result import version_at_least
 from cni_agent.node.blocking import UNANSWERED
@@ -35,6 +35,7 @@ from cni_agent.node.locks import LockTimeout, NetworkLocks, SandboxLocks
 from cni_agent.node.netns import Pinned
 from cni_agent.sandboxes.journal import Journal, Removal, Unconfirmed
 from cni_agent.sandboxes.order import Kind, Sequencer
+from cni_agent.sandboxes.policy import ROOT, Caller, Policy
 from cni_agent.sandboxes.records import Phase, SandboxRecord
 
 log = logging.getLogger(__name__)
@@ -139,23 +140,23 @@ class Reaper:
                 log.exception("reaping pass failed; the next one runs in %gs", self.interval)
 
     async def collect(self, valid_ids: Collection[str] | None = None, verbs: bool = True, *,
-                      owner: int | None = None, prefix: str = "") -> GCReport:
+                      caller: Caller = ROOT) -> GCReport:
         """Reap stale attachments and (with `verbs`) send GC; `valid_ids`
         overrides liveness detection.
 
-        With `owner`, only that uid's sandboxes (those whose ids begin
-        `prefix`) are looked at, and no GC verb is sent. Whether a sandbox is
-        reaped is decided under its lock: never one set up after this call
-        arrived, never another owner's, whatever the snapshot said.
+        A `caller` other than root speaks for its own sandboxes only (those
+        in its id space are looked at), and sends no GC verb. Whether a
+        sandbox is reaped is decided under its lock: never one set up after
+        this call arrived, never another owner's, whatever the snapshot said.
         """
         since = self.journal.generation
         await self.recovered.wait()
         report = GCReport()
-        snap = await asyncio.to_thread(self._snapshot, prefix)
+        snap = await asyncio.to_thread(self._snapshot, Policy.own_prefix(caller))
         candidates = await self._candidates(snap, valid_ids, report)
         for sid in candidates:
-            await self._reap(sid, valid_ids, report, wait=0, since=since, owner=owner)
-        if verbs and owner is None:
+            await self._reap(sid, valid_ids, report, wait=0, since=since, caller=caller)
+        if verbs and caller.root:
             await self._send_gc_verbs([n for n in self._networks() if self._gc_verb(n.name)],
                                       report)
         for err in report.errors:
@@ -226,10 +227,8 @@ class Reaper:
         listing = self.journal.store.scan(prefix)
         entries: dict[str, list[CachedAttachment]] = {}
         if prefix:
-            cache = self.journal.runtime.cache
             for r in listing.records:
-                entries[r.sandbox_id] = [e for a in r.attachments
-                                         if (e := _read(cache, a.network, r.sandbox_id, a.ifname))]
+                entries[r.sandbox_id] = self.journal.recorded_entries(r)
         else:
             for e in self.journal.runtime.cache.all():
                 entries.setdefault(e.container_id, []).append(e)
@@ -282,14 +281,14 @@ class Reaper:
     # --- one sandbox, under its lock ----------------------------------------------
 
     async def _reap(self, sid: str, valid_ids: Collection[str] | None, report: GCReport,
-                    wait: float, since: int | None = None, owner: int | None = None) -> None:
+                    wait: float, since: int | None = None, caller: Caller = ROOT) -> None:
         try:
             async with self._hold(sid, wait):
                 with log_fields(SANDBOX_ID=sid):
                     rec, entries = await self.journal.view(sid)
                     if since is not None and self.journal.born_after(sid, since):
                         return  # set up after this GC arrived: not for it to judge
-                    if owner is not None and (rec is None or rec.owner != owner):
+                    if not Policy.owns(caller, rec.owner if rec else None):
                         return  # another owner's: a caller's GC speaks for its own only
                     async with self.journal.live_netns(rec, entries) as ns:
                         await self._reap_locked(sid, rec, entries, ns, valid_ids, report)
@@ -387,13 +386,6 @@ def _released(rec: SandboxRecord, origin: str, valid: Collection[tuple[str, str]
     return {a.ifname for a in rec.attachments
             if a.origin == origin and a.phase is Phase.READY
             and (rec.sandbox_id, a.ifname) not in valid}
-
-
-def _read(cache: ResultCache, network: str, sid: str, ifname: str) -> CachedAttachment | None:
-    try:
-        return cache.read(network, sid, ifname)
-    except CNIError:
-        return None
 
 
 def _in(rec: SandboxRecord | None, entry: CachedAttachment) -> bool:

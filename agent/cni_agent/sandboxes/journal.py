@@ -207,15 +207,22 @@ class Journal:
         if rec is None:
             found = await asyncio.to_thread(self.runtime.cache.for_container, sandbox_id)
         else:
-            found = []
-            for a in rec.attachments:
-                try:
-                    entry = self.runtime.cache.read(a.network, sandbox_id, a.ifname)
-                except CNIError:
-                    continue  # unreadable: the record's own config serves its DEL
-                if entry is not None:
-                    found.append(entry)
+            found = self.recorded_entries(rec)
         return rec, {(e.network, e.ifname): e for e in found}
+
+    def recorded_entries(self, rec: SandboxRecord) -> list[CachedAttachment]:
+        """The cache entries of `rec`'s attachments (a few small files, named by
+        the record: no scan). One that cannot be read counts as none: the
+        record's own config serves its DEL."""
+        found = []
+        for a in rec.attachments:
+            try:
+                entry = self.runtime.cache.read(a.network, rec.sandbox_id, a.ifname)
+            except CNIError:
+                continue
+            if entry is not None:
+                found.append(entry)
+        return found
 
     @asynccontextmanager
     async def live_netns(self, rec: SandboxRecord | None, entries: Entries, confirm: bool = True

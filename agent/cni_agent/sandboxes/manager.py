@@ -331,38 +331,46 @@ class SandboxManager:
 
     async def _add_all(self, rec: SandboxRecord, new: Sequence[Attachment],
                        nets: Sequence[NetworkConfigList], ns: Pinned) -> dict[str, Any]:
-        with self.journal.claiming(rec.sandbox_id, new):
-            try:
-                rec, lo = await self.journal.begin_add(rec, new, ns, loopback=True)
-            except NetnsError as e:  # nothing was written, nothing to undo
-                raise AgentError(ErrorKind.PLUGIN_FAILED, f"cannot bring up lo: {e}") from e
-            return await self._add_begun(rec, new, nets, ns, lo)
+        def failed(att: Attachment, e: CNIError) -> None:
+            log.warning("setup of %s failed on %s/%s, rolling back: %s",
+                        rec.sandbox_id, att.network, att.ifname, e,
+                        extra={"NETWORK": att.network, "IFNAME": att.ifname})
 
-    async def _add_begun(self, rec: SandboxRecord, new: Sequence[Attachment],
-                         nets: Sequence[NetworkConfigList], ns: Pinned,
-                         lo: bool = False) -> dict[str, Any]:
-        done: list[CachedAttachment] = []
-        ifnames = [a.ifname for a in new]
-        for i, (net, att) in enumerate(zip(nets, new, strict=True)):
-            try:
-                # The last one's cache write carries the commit (all ready at once).
-                result = await self.journal.add(rec, att, net, ns,
-                                                commit=ifnames if i == len(new) - 1 else ())
-            except CNIError as e:
-                log.warning("setup of %s failed on %s/%s, rolling back: %s",
-                            rec.sandbox_id, net.name, att.ifname, e,
-                            extra={"NETWORK": net.name, "IFNAME": att.ifname})
-                # DEL what was attempted, the failing one included (the spec requires it).
-                undo = await self.journal.remove(
-                    rec, [a.ifname for a in new[: i + 1]], ns,
-                    unstarted=[a.ifname for a in new[i + 1:]])
-                if lo:  # this Setup brought lo up: the namespace as it found it
-                    await self.journal.loopback_down(rec.sandbox_id, ns)
-                raise rollback_error(e, undo) from e
-            done.append(CachedAttachment(rec.sandbox_id, net.name, att.ifname, rec.netns,
-                                         net.bytes, result=result))
+        results = await self.add_new(rec, new, nets, ns, loopback=True, failed=failed)
+        done = [CachedAttachment(rec.sandbox_id, net.name, att.ifname, rec.netns, net.bytes,
+                                 result=result)
+                for net, att, result in zip(nets, new, results, strict=True)]
         log.info("sandbox %s set up (%d attachment(s))", rec.sandbox_id, len(done))
         return result_document(rec.sandbox_id, done, [(a.network, a.ifname) for a in new])
+
+    async def add_new(self, rec: SandboxRecord, new: Sequence[Attachment],
+                      nets: Sequence[NetworkConfigList], ns: Pinned, *, loopback: bool,
+                      failed: Callable[[Attachment, CNIError], None]) -> list[dict[str, Any]]:
+        """Add `new` to `rec` (Setup's attachments, or Attach's one): their
+        intent written (with `loopback`, a new sandbox: `lo` brought up first),
+        then each ADD chain, the last one's cache write making all ready; the
+        results. A failed ADD is reported to `failed`, then rolled back: DEL of
+        what was attempted, the failing one included (the spec requires it),
+        and `lo` as this call found it."""
+        with self.journal.claiming(rec.sandbox_id, new):
+            try:
+                rec, lo = await self.journal.begin_add(rec, new, ns, loopback=loopback)
+            except NetnsError as e:  # nothing was written, nothing to undo
+                raise AgentError(ErrorKind.PLUGIN_FAILED, f"cannot bring up lo: {e}") from e
+            results: list[dict[str, Any]] = []
+            ifnames = [a.ifname for a in new]
+            for i, (net, att) in enumerate(zip(nets, new, strict=True)):
+                try:
+                    results.append(await self.journal.add(
+                        rec, att, net, ns, commit=ifnames if i == len(new) - 1 else ()))
+                except CNIError as e:
+                    failed(att, e)
+                    undo = await self.journal.remove(rec, ifnames[: i + 1], ns,
+                                                     unstarted=ifnames[i + 1:])
+                    if lo:  # this call brought lo up: the namespace as it found it
+                        await self.journal.loopback_down(rec.sandbox_id, ns)
+                    raise rollback_error(e, undo) from e
+            return results
 
     # --- Teardown -------------------------------------------------------------------
 
@@ -488,7 +496,7 @@ class SandboxManager:
             records = self.journal.store.all(Policy.own_prefix(caller))[0]
             if not caller.root:
                 return sorted(Policy.shown(caller, r.sandbox_id) for r in records
-                              if r.phase is Phase.READY and r.owner == caller.uid)
+                              if r.phase is Phase.READY and Policy.owns(caller, r.owner))
             ids = {r.sandbox_id for r in records if r.phase is Phase.READY}
             ids.update(e.container_id for e in self.journal.runtime.cache.all())
             return sorted(ids)
@@ -504,8 +512,7 @@ class SandboxManager:
         with classified():
             self.gate()
             valid = {self.own_id(caller, sid, field="valid_sandbox_ids") for sid in valid_ids}
-            report = await self.reaper.collect(valid, owner=None if caller.root else caller.uid,
-                                               prefix=Policy.own_prefix(caller))
+            report = await self.reaper.collect(valid, caller=caller)
         if report.errors:
             # Only the disk's refusals: the DELs ran, the bookkeeping waits for it.
             kind = ErrorKind.STATE_ERROR if len(report.unrecorded) == len(report.errors) \

@@ -198,14 +198,19 @@ class Policy:
             return
         if owner is None and not foreign:
             return
-        if owner != caller.uid:
-            raise not_yours(sandbox_id, caller)
+        Policy.holds(caller, sandbox_id, owner)
+
+    @staticmethod
+    def owns(caller: Caller, owner: int | None) -> bool:
+        """Whether a sandbox recorded as `owner`'s (None: no record) is one
+        `caller` reaches: root's reach is every sandbox, another's its own."""
+        return caller.root or owner == caller.uid
 
     @staticmethod
     def holds(caller: Caller, sandbox_id: str, owner: int | None) -> None:
         """May `caller` act on this existing sandbox (`owner` None: it has no
         record, or none at all): root always; another caller on its own only."""
-        if not caller.root and owner != caller.uid:
+        if not Policy.owns(caller, owner):
             raise not_yours(sandbox_id, caller)
 
     @staticmethod
