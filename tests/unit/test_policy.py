@@ -85,6 +85,22 @@ def test_holding_a_sandbox(caller: Caller, owner: int | None, allowed: bool) -> 
             Policy.holds(caller, "s", owner)
 
 
+@pytest.mark.parametrize(("sandbox_id", "cached", "allowed"), [
+    ("cni-agent.u1001.vm1", True, True),    # its own id, record set aside: its entries
+    ("cni-agent.u1001.vm1", False, False),  # nothing at all: nothing said about it
+    ("cni-agent.u1002.vm1", True, False),   # another member's
+    ("vm1", True, False),                   # root's (or another tool's)
+])
+def test_entries_without_a_record_are_the_member_whose_id_space_holds_them(
+    sandbox_id: str, cached: bool, allowed: bool,
+) -> None:
+    if allowed:
+        Policy.holds(MEMBER, sandbox_id, None, cached)
+    else:
+        with pytest.raises(AgentError, match="is not one of uid"):
+            Policy.holds(MEMBER, sandbox_id, None, cached)
+
+
 def test_a_new_id_is_anyones_but_cache_entries_without_a_record_are_roots() -> None:
     Policy.sandbox(MEMBER, "s", None)
     with pytest.raises(AgentError):

@@ -199,7 +199,7 @@ class Attachments:
             async with unless_hung(given_cm) as given, m.locked(ticket):
                 rec, entries = await m.journal.view(sandbox_id)
                 if rec is not None or entries:
-                    Policy.holds(caller, sandbox_id, rec.owner if rec else None)
+                    Policy.holds(caller, sandbox_id, rec.owner if rec else None, bool(entries))
                 recorded = rec.attachment(ifname) if rec is not None else None
                 if rec is not None and recorded is not None:
                     if not _mine(recorded, network, origin):

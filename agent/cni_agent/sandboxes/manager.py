@@ -394,7 +394,7 @@ class SandboxManager:
                 rec, entries = await self.journal.view(sandbox_id)
                 if rec is None and not entries:
                     return  # nothing known: success, as DEL of nothing is
-                Policy.holds(caller, sandbox_id, rec.owner if rec else None)
+                Policy.holds(caller, sandbox_id, rec.owner if rec else None, bool(entries))
                 # Where the DELs run: the recorded namespace if it still is the
                 # one; without a record (another tool's entries) the caller's;
                 # else none — an empty netns, which DEL must tolerate.
@@ -438,7 +438,7 @@ class SandboxManager:
         with self.order.arrive(sandbox_id, Kind.OTHER) as ticket:
             async with self.locked(ticket):
                 rec, entries = await self.journal.view(sandbox_id)
-                Policy.holds(caller, sandbox_id, rec.owner if rec else None)
+                Policy.holds(caller, sandbox_id, rec.owner if rec else None, bool(entries))
                 if rec is None or rec.phase is not Phase.READY:
                     raise AgentError(ErrorKind.NOT_FOUND, f"sandbox {sandbox_id} is not set up")
                 if rec.netns != ns.path or not await is_recorded(rec, entries, ns):
@@ -482,7 +482,7 @@ class SandboxManager:
             # No lock here: a damaged record is reported, and left to be set aside
             # by the next operation or reaping pass that holds the sandbox's lock.
             rec, entries = await self.journal.view(sid, repair=False)
-        Policy.holds(caller, sid, rec.owner if rec else None)
+        Policy.holds(caller, sid, rec.owner if rec else None, bool(entries))
         if not entries and not (rec and any(a.lost for a in rec.attachments)):
             raise AgentError(ErrorKind.NOT_FOUND, f"sandbox {sandbox_id} has no cached attachments")
         doc = self._document(rec, entries, with_checks=True)
