@@ -40,7 +40,7 @@ def test_a_member_cannot_choose_its_address_through_args_when_ips_is_closed(
                   "--arg", "IP=10.215.0.77")
         assert "10.215.0.77" not in allocations(tmp_path / "ipam", "pods"), \
             (out.stdout, allocations(tmp_path / "ipam", "pods"))
-        assert out.returncode != 0, out
+        assert out.returncode == 4 and "argument IP sets what capability 'ips' sets" in out.stderr, out
     finally:
         cli(agent, member, "teardown", "vm1")
         mine.kill()

@@ -85,6 +85,26 @@ def test_holding_a_sandbox(caller: Caller, owner: int | None, allowed: bool) -> 
             Policy.holds(caller, "s", owner)
 
 
+@pytest.mark.parametrize(("args", "opened", "allowed"), [
+    ((("IP", "10.0.0.9"),), (), False),       # host-local's address: what `ips` sets
+    ((("MAC", "02:00:00:00:00:09"),), (), False),
+    ((("ip", "10.0.0.9"),), (), False),       # any spelling
+    ((("IP", "10.0.0.9"),), ("ips",), True),  # opened by the admin
+    ((("IgnoreUnknown", "1"), ("K8S_POD_NAME", "p")), (), True),
+])
+def test_args_that_do_what_a_capability_does_need_it_opened(
+    args: tuple[tuple[str, str], ...], opened: tuple[str, ...], allowed: bool,
+) -> None:
+    policy = Policy.of(capabilities=opened)
+    policy.capabilities(ROOT, {}, (("IP", "10.0.0.9"), ("MAC", "02:00:00:00:00:09")))
+    if allowed:
+        policy.capabilities(MEMBER, {}, args)
+    else:
+        with pytest.raises(AgentError, match="sets what capability") as e:
+            policy.capabilities(MEMBER, {}, args)
+        assert e.value.kind is ErrorKind.ACCESS_DENIED
+
+
 @pytest.mark.parametrize(("sandbox_id", "cached", "allowed"), [
     ("cni-agent.u1001.vm1", True, True),    # its own id, record set aside: its entries
     ("cni-agent.u1001.vm1", False, False),  # nothing at all: nothing said about it

@@ -121,7 +121,7 @@ class Attachments:
         args = tuple(build_cni_args(req.args, None, req.sandbox_id))
         if not isinstance(req.capabilities, Mapping):
             raise InvalidArgument("capabilities", "must be a JSON object")
-        m.policy.capabilities(req.caller, req.capabilities)
+        m.policy.capabilities(req.caller, req.capabilities, req.args)
         async with callers_netns(m.journal.paths, req.netns, req.netns_fd, req.caller) as ns:
             with m.order.arrive(req.sandbox_id, Kind.ADD, frozenset({req.ifname})) as ticket:
                 await m.wait_ready(ticket)

@@ -229,7 +229,7 @@ class SandboxManager:
         build_cni_args(req.args, req.pod, req.sandbox_id)
         if not isinstance(req.capabilities, Mapping):
             raise InvalidArgument("capabilities", "must be a JSON object")
-        self.policy.capabilities(req.caller, req.capabilities)
+        self.policy.capabilities(req.caller, req.capabilities, req.args)
 
     async def setup(self, req: SetupRequest) -> dict[str, Any]:
         with classified():

@@ -248,15 +248,24 @@ class Policy:
         raise denied(f"network {name} is not open to callers that are not root (access.networks: "
                      f"{opened})")
 
-    def capabilities(self, caller: Caller, caps: Mapping[str, Any]) -> None:
-        """Only the capabilities the admin allowed; host ports never below 1024."""
+    def capabilities(self, caller: Caller, caps: Mapping[str, Any],
+                     args: Iterable[tuple[str, str]] = ()) -> None:
+        """Only the capabilities the admin allowed, by name or through the
+        CNI_ARGS key that does the same (`ARG_CAPABILITIES`); host ports never
+        below 1024."""
         if caller.root:
             return
+        allowed = ", ".join(sorted(self.open_capabilities)) or "none"
         for key in caps:
             if key not in self.open_capabilities:
-                allowed = ", ".join(sorted(self.open_capabilities)) or "none"
                 raise denied(f"capability {key!r} is not allowed to callers that are not root "
                              f"(access.capabilities: {allowed})")
+        for key, _ in args:
+            cap = ARG_CAPABILITIES.get(key.upper())
+            if cap is not None and cap not in self.open_capabilities:
+                raise denied(f"argument {key} sets what capability {cap!r} sets, which is not "
+                             f"allowed to callers that are not root (access.capabilities: "
+                             f"{allowed})")
         for port, proto in host_ports(caps):
             if port < LOWEST_MEMBER_PORT:
                 raise denied(f"host port {port}/{proto} is below {LOWEST_MEMBER_PORT}: only root "
@@ -267,6 +276,12 @@ class Policy:
             return
         raise AgentError(ErrorKind.BUSY, f"uid {caller.uid} holds {held} sandbox(es), the most "
                                          f"access.max_sandboxes allows ({self.max_sandboxes})")
+
+
+# CNI_ARGS keys the reference plugins read as the capability does (host-local
+# and static take `IP`, bridge, tuning and static `MAC`): the same lever under
+# another name.
+ARG_CAPABILITIES = {"IP": "ips", "MAC": "mac"}
 
 
 def host_ports(caps: Mapping[str, Any]) -> set[tuple[int, str]]:
