@@ -17,13 +17,13 @@ import json
 import math
 import os
 import reprlib
-import stat
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
 
+from cni_agent import files
 from cni_agent.config_layers import ETC_DIR, USR_DIR, config_files
 
 DEFAULT_CONFIG_PATH = "/etc/cni-agent/agent.yaml"
@@ -331,42 +331,12 @@ def parse_config(doc: Any, source: str) -> AgentConfig:
     return _build(values, dict.fromkeys(values, source), (source,))
 
 
-_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
-          stat.S_IFDIR: "a directory", stat.S_IFSOCK: "a socket"}
-
-
 def read_regular(path: str, limit: int = MAX_FILE_BYTES) -> bytes:
-    """A regular file's bytes, at most `limit`; ConfigFileError naming the file.
-
-    Anything else is refused before it is opened: a FIFO would block the
-    reader (start-up, `config check`, a reload's thread) until someone
-    writes, and opening a device can act (a watchdog starts on open)."""
+    """A regular file's bytes, at most `limit`; ConfigFileError naming the file."""
     try:
-        st = os.stat(path)
-        if not stat.S_ISREG(st.st_mode):
-            kind = _KINDS.get(stat.S_IFMT(st.st_mode), "not a file")
-            raise ConfigFileError(f"{path}: not a regular file ({kind}): not read")
-        if st.st_size > limit:
-            raise ConfigFileError(f"{path}: larger than {limit} bytes: not read")
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
-    except FileNotFoundError:
-        raise ConfigFileError(f"{path}: no such file") from None
-    except OSError as e:
-        raise ConfigFileError(f"{path}: cannot read: {e.strerror}") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced since the stat
-            raise ConfigFileError(f"{path}: not a regular file: not read")
-        chunks, size = [], 0
-        while chunk := os.read(fd, limit + 1 - size):
-            chunks.append(chunk)
-            size += len(chunk)
-            if size > limit:
-                raise ConfigFileError(f"{path}: larger than {limit} bytes: not read")
-        return b"".join(chunks)
-    except OSError as e:
-        raise ConfigFileError(f"{path}: cannot read: {e.strerror}") from None
-    finally:
-        os.close(fd)
+        return files.read_regular(path, limit)
+    except files.Unreadable as e:
+        raise ConfigFileError(f"{path}: {'no such file' if e.missing else e}") from None
 
 
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import reprlib
-import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 from cni_agent.cni.args import validate_network_name
 from cni_agent.cni.errors import ConfigError, InvalidArgument
 from cni_agent.cni.result import SUPPORTED_VERSIONS, version_key
+from cni_agent.files import Unreadable, read_regular
 
 CONFIG_EXTENSIONS = (".conf", ".conflist", ".json")
 MAX_CONFIG_BYTES = 1024 * 1024
@@ -210,34 +210,12 @@ def config_files(conf_dir: str) -> list[str]:
     ]
 
 
-_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
-          stat.S_IFSOCK: "a socket"}
-
-
 def read_config(path: str) -> NetworkConfigList:
-    """Parse one network file. Only a regular file is opened: a FIFO would
-    block every scan (and `config check`) until someone writes to it, and
-    opening a device can act."""
+    """Parse one network file (a regular file only: see `files.read_regular`)."""
     try:
-        st = os.stat(path)
-        if not stat.S_ISREG(st.st_mode):
-            kind = _KINDS.get(stat.S_IFMT(st.st_mode), "not a file")
-            raise ConfigError(path, f"not a regular file ({kind}): not read")
-        if st.st_size > MAX_CONFIG_BYTES:
-            raise ConfigError(path, f"larger than {MAX_CONFIG_BYTES} bytes: not read")
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced since the stat
-                raise ConfigError(path, "not a regular file: not read")
-            data = os.read(fd, MAX_CONFIG_BYTES + 1)
-            while len(data) <= MAX_CONFIG_BYTES and (more := os.read(fd, MAX_CONFIG_BYTES + 1 - len(data))):
-                data += more
-        finally:
-            os.close(fd)
-    except OSError as e:
-        raise ConfigError(path, f"cannot read: {e.strerror}") from None
-    if len(data) > MAX_CONFIG_BYTES:
-        raise ConfigError(path, f"larger than {MAX_CONFIG_BYTES} bytes: not read")
+        data = read_regular(path, MAX_CONFIG_BYTES)
+    except Unreadable as e:
+        raise ConfigError(path, str(e)) from None
     return parse_file(path, data)
 
 
