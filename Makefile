@@ -6,6 +6,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
+# pytest workers for `make test` (each test file stays in one; tests that use
+# something the whole machine shares take turns: `machine_wide` in
+# tests/conftest.py): the tests mostly wait on processes, so twice the cores
+# of a 2-core machine.
+TEST_JOBS ?= 4
 
 .PHONY: all setup system venv shim test test-systemd test-crio lint unit-py313 run run-system deb rpm-spec-check bench bench-smoke soak clean
 
@@ -41,7 +46,7 @@ lint: setup
 	$(VENV)/bin/lint-imports --no-logo --no-cache
 
 test: setup $(SHIM) lint unit-py313
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
 
 # The unit tests again on a Fedora-like Python (3.13: pyinotify needs
 # pyasyncore there), when pyenv or the system has one. CI machines do.

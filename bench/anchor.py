@@ -8,7 +8,10 @@ import os
 import subprocess
 from pathlib import Path
 
+from bench import goals
 from tests.cri.containerd import CACHE
+
+SOURCE = Path(__file__).resolve().parent / "libcni_anchor.go"
 
 
 def anchor_binary() -> Path | None:
@@ -20,18 +23,37 @@ def anchor_binary() -> Path | None:
     return built[-1] if built else None
 
 
-class Anchor:
-    """The anchor process: one `pair` (ADD, DEL) or `pod` (ADD, CHECK, DEL, as CRI-O
-    runs a pod) per netns path written to it."""
+def usable_anchor() -> tuple[Path | None, str]:
+    """(the anchor, "") or (None, why not: what the goals' FAIL says).
 
-    def __init__(self, binary: Path, conflist: Path, plugin_dir: Path, cache_dir: Path) -> None:
-        self.proc = subprocess.Popen([str(binary), str(conflist), str(plugin_dir), str(cache_dir)],
+    tools/build-crio keeps the source it built next to the binary: one built from
+    another bench/libcni_anchor.go may lack a mode the benchmarks send, so it
+    counts as missing until rebuilt. One named by CNI_AGENT_LIBCNI_ANCHOR is
+    taken as it is."""
+    binary = anchor_binary()
+    if binary is None or not binary.exists():
+        return None, goals.ANCHOR_MISSING
+    built_from = binary.parent / SOURCE.name
+    if "CNI_AGENT_LIBCNI_ANCHOR" not in os.environ and (
+            not built_from.exists() or built_from.read_bytes() != SOURCE.read_bytes()):
+        return None, f"anchor stale: {binary} was built from another {SOURCE.name}; rerun tools/build-crio"
+    return binary, ""
+
+
+class Anchor:
+    """The anchor process: per line written to it, one `pair` (ADD, DEL) or `pod`
+    (ADD, CHECK, DEL, as CRI-O runs a pod) in one netns, or `many`: ADD in
+    every netns at once, then DEL in every one at once."""
+
+    def __init__(self, binary: Path, conflist: Path, plugin_dirs: Path | str, cache_dir: Path) -> None:
+        """`plugin_dirs`: one directory, or several joined with ":"."""
+        self.proc = subprocess.Popen([str(binary), str(conflist), str(plugin_dirs), str(cache_dir)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.cpu: list[float] = []  # its own CPU per line, ms
 
-    def run(self, mode: str, netns: str) -> None:
+    def run(self, mode: str, *netns: str) -> None:
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(f"{mode} {netns}\n")
+        self.proc.stdin.write(f"{mode} {' '.join(netns)}\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
         if not line:

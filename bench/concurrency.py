@@ -1,11 +1,18 @@
 """3. Concurrency: N sandboxes set up at once from 8 client connections, then torn down.
 
-Against the same N serially (one connection, one call at a time), rounds
-interleaved, for bridge + host-local and for a chain of 3 no-op C plugins.
+Against the same N serially (one connection, one call at a time), and against
+the Go libcni anchor (bench/libcni_anchor.go) doing the same N at once (a
+goroutine each: every ADD, then every DEL), as CRI-O and containerd handle
+many pods at once; rounds interleaved, the first way rotating, for bridge +
+host-local and for a chain of 3 no-op C plugins. The agent at once against
+libcni at once is one of the project's goals (bench/goals.py), judged on 100
+sandboxes; without the anchor it FAILs (anchor missing).
+
 Every round is checked for failures and leftovers. Where the time goes is
-reported from CPU accounting (agent, its plugins, dbus-daemon, this client)
-and, with a timing shim in front of host-local, from host-local itself (its
-file lock serialises allocations).
+reported from CPU accounting (agent, its plugins, dbus-daemon, this client),
+with the agent's CPU per call above the floor's (the same chain exec'd from
+this process, serially), and, with a timing shim in front of host-local, from
+host-local itself (its file lock serialises allocations).
 """
 
 from __future__ import annotations
@@ -15,20 +22,25 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+from bench import goals
+from bench.anchor import Anchor, usable_anchor
 from bench.harness import (
     Client,
+    DirectChain,
     Lab,
     build_c,
     conflist,
     delete_link,
+    floor_cpu_ms,
     links_with_master,
     netns_links,
     proc_cpu,
     unique,
 )
 from bench.report import figure, result
+from cni_agent.sandboxes.store import recorded
 from tests.support.agent import Agent
 from tests.support.net import allocations
 from tests.support.plugins import write_conf
@@ -38,6 +50,8 @@ from tests.support.plugins import write_conf
 GOALS = {"pods": 1.7, "noopnet": 1.8}
 GOAL = GOALS["pods"]
 CONNECTIONS = 8
+NETWORKS = ("pods", "noopnet")
+WAYS = ("serial", "concurrent", "libcni")  # libcni: the anchor, N at once
 
 
 class Rig:
@@ -75,14 +89,14 @@ class Rig:
                 "client": me.user + me.system}
 
     def leftovers(self) -> dict[str, list[str]]:
-        state, run = self.lab.tmp / "state", self.lab.tmp / "run"
+        state, run = self.lab.tmp / "state", Path(self.agent.config["runtime_dir"])
 
         def ls(d: Path) -> list[str]:
             return sorted(n for n in os.listdir(d) if not n.startswith(".")) if d.exists() else []
 
         return {
             "host-local IPs": allocations(self.lab.tmp / "ipam", "pods"),
-            "cache entries": ls(state / "results"), "sandbox records": ls(state / "sandboxes"),
+            "cache entries": ls(state / "results"), "sandbox records": sorted(recorded(str(state))),
             "lock files": ls(run / "locks"), "veths": links_with_master(self.bridge),
             "netns with links": [ns for ns in self.netns if netns_links(ns)],
         }
@@ -94,10 +108,14 @@ def run(smoke: bool) -> dict[str, Any]:
         lab.noop()
         bridge = unique("br")
         lab.cleanups.append(lambda: delete_link(bridge))
-        write_conf(lab.conf_dir, "10-pods.conflist", conflist("pods", [
-            {"type": "bridge", "bridge": bridge, "isGateway": True, "ipMasq": False,
-             "ipam": {"type": "host-local", "subnet": "10.237.0.0/24", "dataDir": str(lab.tmp / "ipam")}}]))
-        write_conf(lab.conf_dir, "20-noop.conflist", conflist("noopnet", [{"type": "noop"}] * 3))
+        configs = {
+            "pods": conflist("pods", [
+                {"type": "bridge", "bridge": bridge, "isGateway": True, "ipMasq": False,
+                 "ipam": {"type": "host-local", "subnet": "10.237.0.0/24",
+                          "dataDir": str(lab.tmp / "ipam")}}]),
+            "noopnet": conflist("noopnet", [{"type": "noop"}] * 3)}
+        files = {"pods": write_conf(lab.conf_dir, "10-pods.conflist", configs["pods"]),
+                 "noopnet": write_conf(lab.conf_dir, "20-noop.conflist", configs["noopnet"])}
         agent = lab.agent()
         clients = [runner.run(Client.connect(lab.bus.address)) for _ in range(CONNECTIONS)]
         lab.cleanups.extend(c.close for c in clients)
@@ -106,22 +124,56 @@ def run(smoke: bool) -> dict[str, Any]:
         # Warm-up: the bridge exists before any timing (creating it is a one-off).
         runner.run(clients[0].setup("warm-up", rig.netns[0], "pods"))
         runner.run(clients[0].teardown("warm-up", rig.netns[0]))
+        plugin_dirs = [str(lab.bin), "/usr/lib/cni"]  # the agent's, as Lab configures it
+        anchors, missing = start_anchors(lab, files, plugin_dirs, rig.netns[0])
         walls: dict[str, list[float]] = {}
         cpu: dict[str, list[dict[str, float]]] = {}
         left: dict[str, int] = {}
-        for network in ("pods", "noopnet"):
+        floor: dict[str, float] = {}
+        for network in NETWORKS:
+            ways = [w for w in WAYS if w != "libcni" or network in anchors]
             for r in range(rounds):
-                for concurrent in ((False, True) if r % 2 == 0 else (True, False)):
-                    key = f"{network}.{'concurrent' if concurrent else 'serial'}"
+                for way in ways[r % len(ways):] + ways[:r % len(ways)]:
+                    key = f"{network}.{way}"
                     before = rig.cpu()
-                    walls.setdefault(key, []).append(runner.run(rig.cycle(network, concurrent)))
+                    if way == "libcni":
+                        t0 = time.perf_counter()
+                        anchors[network].run("many", *rig.netns)
+                        walls.setdefault(key, []).append(time.perf_counter() - t0)
+                    else:
+                        walls.setdefault(key, []).append(runner.run(rig.cycle(network, way == "concurrent")))
                     after = rig.cpu()
                     cpu.setdefault(key, []).append({k: after[k] - before[k] for k in after})
                     for what, items in rig.leftovers().items():
                         left[what] = left.get(what, 0) + len(items)
+            # The floor, once: its CPU per call hardly varies (no wall time is compared).
+            floor[network] = floor_cpu_ms(DirectChain(configs[network], plugin_dirs), rig.netns)
+            for what, items in rig.leftovers().items():
+                left[what] = left.get(what, 0) + len(items)
+        libcni_cpu = {network: a.cpu for network, a in anchors.items()}
         speedup = statistics.median(walls["pods.serial"]) / statistics.median(walls["pods.concurrent"])
         shim = hostlocal_profile(rig, runner) if smoke or speedup < GOAL else None
-    return _report(count, walls, cpu, left, rig.errors, shim)
+    return _report(count, walls, cpu, left, rig.errors, shim,
+                   Anchored(libcni_cpu, floor, missing))
+
+
+def start_anchors(lab: Lab, files: dict[str, Path], plugin_dirs: list[str],
+                  netns: str) -> tuple[dict[str, Anchor], str]:
+    """One anchor per network, warmed up as the agent was; or none, and why.
+
+    Each runs the agent's own conflist: the same bridge, address range and
+    plugins (the ways never overlap in time), with a libcni cache of its own."""
+    binary, missing = usable_anchor()
+    anchors: dict[str, Anchor] = {}
+    if binary is None:
+        return anchors, missing
+    for network in NETWORKS:
+        anchor = anchors[network] = Anchor(binary, files[network], ":".join(plugin_dirs),
+                                           lab.tmp / f"libcni-cache-{network}")
+        lab.cleanups.append(anchor.close)
+        anchor.run("pair", netns)
+        anchor.cpu.clear()
+    return anchors, ""
 
 
 def hostlocal_profile(rig: Rig, runner: asyncio.Runner) -> dict[str, Any]:
@@ -153,11 +205,20 @@ def _union(spans: list[tuple[int, int]]) -> int:
     return total
 
 
+class Anchored(NamedTuple):
+    """What the goal against libcni is judged with."""
+
+    libcni_cpu: dict[str, list[float]]  # the anchor's own CPU per cycle (ms), per network
+    floor_ms: dict[str, float]  # the floor's CPU per call, per network
+    missing: str  # why there is no anchor ("" when there is)
+
+
 def _report(count: int, walls: dict[str, list[float]], cpu: dict[str, list[dict[str, float]]],
-            left: dict[str, int], errors: list[str], shim: dict[str, Any] | None) -> dict[str, Any]:
+            left: dict[str, int], errors: list[str], shim: dict[str, Any] | None,
+            anchored: Anchored) -> dict[str, Any]:
     figures, notes = [], []
     ncpu = os.cpu_count() or 1
-    for network in ("pods", "noopnet"):
+    for network in NETWORKS:
         serial, conc = walls[f"{network}.serial"], walls[f"{network}.concurrent"]
         speedup = statistics.median(serial) / statistics.median(conc)
         figures += [
@@ -166,6 +227,7 @@ def _report(count: int, walls: dict[str, list[float]], cpu: dict[str, list[dict[
                    goal=f"speedup, goal ≥{GOALS[network]}x", passed=speedup >= GOALS[network],
                    note=f"{count} at once over {CONNECTIONS} connections"),
         ]
+        figures += _against_libcni(network, count, walls, cpu, anchored)
         for mode in ("serial", "concurrent"):
             runs = cpu[f"{network}.{mode}"]
             used = {k: statistics.median(c[k] for c in runs) for k in runs[0]}
@@ -187,4 +249,35 @@ def _report(count: int, walls: dict[str, list[float]], cpu: dict[str, list[dict[
         notes.append(f"host-local: its calls take {serial_work:.2f} s in a serial cycle; its lock serialises "
                      "them, so a concurrent cycle cannot beat that "
                      f"(it took {shim['concurrent']['wall_s']:.2f} s)")
-    return result(figures, notes, walls=walls, cpu=cpu, leftovers=left, errors=errors[:20], host_local=shim)
+    return result(figures, notes, walls=walls, cpu=cpu, leftovers=left, errors=errors[:20], host_local=shim,
+                  libcni_cpu_ms=anchored.libcni_cpu, floor_cpu_ms_per_call=anchored.floor_ms)
+
+
+def _against_libcni(network: str, count: int, walls: dict[str, list[float]],
+                    cpu: dict[str, list[dict[str, float]]], anchored: Anchored) -> list[Any]:
+    """The goal: the agent's N at once against the anchor's N at once, and the CPU
+    per call of both (a cycle is 2N calls: N Setups, N Teardowns)."""
+    conc = walls[f"{network}.concurrent"]
+    per_call = [c["agent"] * 1000 / (2 * count) for c in cpu[f"{network}.concurrent"]]
+    agent_ms, floor = statistics.median(per_call), anchored.floor_ms[network]
+    name = f"concurrency.{network}.vs_libcni"
+    what = f"{count} at once over {CONNECTIONS} connections against libcni's {count} at once"
+    cpu_note = (f"the agent's CPU per call, {count} at once (10 ms ticks over the cycle); "
+                f"the floor's {floor:.2f} ms")
+    if network not in anchored.libcni_cpu:
+        return [figure(name, conc, "s", note=what, **goals.judge(
+                    name, None, missing=anchored.missing, above_floor_ms=agent_ms - floor)),
+                figure(f"concurrency.{network}.cpu_per_call", per_call, note=cpu_note)]
+    libcni = walls[f"{network}.libcni"]
+    r = statistics.median(conc) / statistics.median(libcni)
+    libcni_ms = statistics.median(anchored.libcni_cpu[network]) / (2 * count)
+    return [
+        figure(name, conc, "s", ratio=r, note=what, **goals.judge(
+            name, r, above_floor_ms=agent_ms - floor,
+            versus=f"{statistics.median(conc):.2f} vs {statistics.median(libcni):.2f} s, {count} sandboxes")),
+        figure(f"concurrency.{network}.libcni", libcni, "s",
+               note=f"libcni (Go, one process): {count} ADDs at once, then {count} DELs at once"),
+        figure(f"concurrency.{network}.cpu_per_call", per_call,
+               ratio=agent_ms / libcni_ms if libcni_ms else None,
+               note=f"{cpu_note}; ratio: against libcni's own, {libcni_ms:.2f} ms"),
+    ]

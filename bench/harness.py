@@ -27,6 +27,8 @@ from tests.support.agent import IFACE, NAME, PATH, Agent, Bus
 
 HERE = Path(__file__).resolve().parent
 PLUGINS_191 = CACHE / "cni-plugins-1.9.1"
+# A tmpfs, where a node's /run is (runtime_dir: lock files, the shim's socket).
+_TMPFS = "/dev/shm" if os.path.isdir("/dev/shm") else None
 # Every netns and link the benchmarks create starts with this (the smoke test checks).
 PREFIX = "cnib"
 _counter = itertools.count()
@@ -164,8 +166,14 @@ class Lab:
         self.bus = Bus("system")
 
     def agent(self, start: bool = True, **config: Any) -> Agent:
-        """Production settings (log level info, default intervals and timeouts) unless overridden."""
-        settings: dict[str, Any] = {"log_level": "info", "monitor": {}, "timeouts": {}, **config}
+        """Production settings (log level info, default intervals and timeouts) unless overridden.
+
+        Its runtime_dir is on tmpfs, as /run/cni-agent is on a node (this
+        VM's /run is not: its lock files would cost an ext4 inode each)."""
+        run = Path(tempfile.mkdtemp(prefix=f"{self.tmp.name}-run-", dir=_TMPFS))
+        self.cleanups.append(lambda: shutil.rmtree(run, ignore_errors=True))
+        settings: dict[str, Any] = {"log_level": "info", "monitor": {}, "timeouts": {},
+                                    "runtime_dir": str(run), **config}
         agent = Agent(self.tmp, self.bus, **settings)
         # BENCH_AGENT_CPROFILE=DIR: each agent runs under cProfile (CPU time of its
         # main thread, see cpuprof.py), its stats in DIR when it exits.
@@ -281,6 +289,17 @@ class DirectChain:
         env = self._env("DEL", sid, netns, "eth0")
         for plugin, binary in reversed(list(zip(self.net.plugins, self.binaries, strict=True))):
             self._exec(binary, env, plugin_stdin(self.net, plugin, prev, caps or {}))
+
+
+def floor_cpu_ms(chain: DirectChain, spaces: Sequence[str], prefix: str = "floor") -> float:
+    """The floor's CPU per call, ms: this thread's own CPU exec'ing `chain` from
+    Python, ADD in each netns, then DEL in each, one at a time. The thread's clock,
+    not the process's: the benchmark's other threads (a gRPC client's) are no floor."""
+    t0 = time.thread_time_ns()
+    added = [chain.add(f"{prefix}-{i}", ns) for i, ns in enumerate(spaces)]
+    for i, (ns, prev) in enumerate(zip(spaces, added, strict=True)):
+        chain.delete(f"{prefix}-{i}", ns, prev)
+    return (time.thread_time_ns() - t0) / 1e6 / (2 * len(spaces))
 
 
 def ms_since(t0: float) -> float:

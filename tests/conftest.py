@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import os
 import signal
 import subprocess
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "root" in item.keywords:
             item.add_marker(skip)
+
+
+@contextmanager
+def machine_wide(what: str) -> Iterator[None]:
+    """Held while a test uses something the whole machine shares and no unique
+    name can separate (the installed package's files, the fallback network's
+    bridge): `make test` runs test files in parallel, and the tests that use
+    the same such thing must take turns."""
+    with open(f"/tmp/cni-agent-tests.{what}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+@pytest.fixture
+def fallback_bridge() -> Iterator[None]:
+    """The fallback network's bridge (cniagent0, a fixed name), the test's alone."""
+    with machine_wide("cniagent0"):
+        yield
 
 
 def unique_name(prefix: str) -> str:

@@ -2,6 +2,8 @@
 
 Only that the code works is checked here: the numbers are printed and written
 to JSON, never asserted (speed goals live in the benchmarks, not in tests).
+And that every goal of bench/goals.py is judged, and that --write-doc rewrites
+only docs/performance.md's generated section.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from bench import REPO
+from bench import REPO, doc, goals
 from bench.harness import PREFIX
 from bench.registry import BENCHMARKS
+from bench.report import figure
 
 pytestmark = pytest.mark.root
 
@@ -49,11 +52,11 @@ def test_smoke_runs_every_benchmark_and_cleans_up(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "bench", "--smoke", "--json", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    doc = json.loads(out.read_text())
-    assert doc["smoke"] is True
-    assert doc["machine"]["nproc"] and doc["machine"]["kernel"] and doc["machine"]["python"]
-    assert list(doc["benchmarks"]) == list(BENCHMARKS)
-    for name, res in doc["benchmarks"].items():
+    run = json.loads(out.read_text())
+    assert run["smoke"] is True
+    assert run["machine"]["nproc"] and run["machine"]["kernel"] and run["machine"]["python"]
+    assert list(run["benchmarks"]) == list(BENCHMARKS)
+    for name, res in run["benchmarks"].items():
         assert not res.get("error"), f"{name}: {res['error']}"
         assert res["figures"], name
         for fig in res["figures"]:
@@ -61,6 +64,54 @@ def test_smoke_runs_every_benchmark_and_cleans_up(tmp_path: Path) -> None:
             for key in ("median", "min", "max"):
                 assert isinstance(fig[key], float) and math.isfinite(fig[key]), (name, fig)
     assert "name" in proc.stdout and "verdict" in proc.stdout  # the table
+    # Every goal judged, both verdicts in its line: with the anchor or FAIL without it.
+    judged = {f["name"]: f for res in run["benchmarks"].values() for f in res["figures"] if "verdict" in f}
+    assert set(judged) == set(goals.GOALS), set(goals.GOALS) ^ set(judged)
+    for fig in judged.values():
+        assert "must ≤" in fig["goal"] and "goal ≤" in fig["goal"], fig
+    assert "The project's goals" in proc.stdout
+    assert not [row for row in goals.summary(run["benchmarks"]) if row[-1] == "not run"]
+    doc_text = doc.render(run)
+    assert all(f"`{name}`" in doc_text for name in goals.GOALS)
     after = _ours()
     left = {what: after[what] - before[what] for what in after}
     assert not any(left.values()), left
+
+
+def test_a_goal_against_libcni_fails_without_the_anchor() -> None:
+    judged = goals.judge("overhead.libcni_pair", None, missing=goals.ANCHOR_MISSING, above_floor_ms=1.0)
+    assert judged["passed"] is False and judged["verdict"]["goal_passed"] is False
+    assert judged["goal"].startswith("must ≤1.5x: FAIL, goal ≤1.2x: FAIL (anchor missing")
+    met = goals.judge("overhead.libcni_pair", 1.3)
+    assert (met["passed"], met["verdict"]["goal_passed"]) == (True, False)
+    assert met["goal"] == "must ≤1.5x: PASS, goal ≤1.2x: FAIL"
+    unknown = goals.judge("footprint.rss_start.vs_baseline", None, missing="no baseline")
+    assert unknown["passed"] is None  # not a FAIL: nothing to compare with
+
+
+def test_write_doc_rewrites_only_the_generated_section(tmp_path: Path) -> None:
+    assert doc.BEGIN in doc.PAGE.read_text() and doc.END in doc.PAGE.read_text()
+    page = tmp_path / "performance.md"
+    head = f"# Performance\n\nprose naming `{doc.BEGIN}` and `{doc.END}` in passing\n\n"
+    tail = "\n\nmore prose\n"
+    page.write_text(f"{head}{doc.BEGIN}\nan old table\n{doc.END}{tail}")
+    machine = {"date": "2026-12-07T10:00:00+00:00", "git_commit": "abcdef1234", "git_short": "abcdef1",
+               "git_dirty": True, "nproc": 2, "cpu": "a CPU", "kernel": "6.1", "python": "3.11.2",
+               "dbus-fast": "2.0", "loadavg_start": 0.5, "loadavg_end": 1.5}
+    fig = figure("overhead.libcni_pair", [10.0, 12.0], ratio=1.3, note="a | note",
+                 **goals.judge("overhead.libcni_pair", 1.3, above_floor_ms=2.5, versus="11 vs 8.5 ms"))
+    run = {"smoke": False, "machine": machine,
+           "benchmarks": {"overhead": {"figures": [fig], "notes": ["one note"]}}}
+    doc.write(page, run)
+    text = page.read_text()
+    assert text.startswith(head + doc.BEGIN + "\n") and text.endswith(doc.END + tail)
+    assert "an old table" not in text
+    assert "2026-12-07 10:00 UTC, commit abcdef1 + uncommitted changes" in text
+    assert "(not run: shim," in text and "a \\| note" in text
+    assert "| `overhead.libcni_pair` | " in text
+    assert "| 1.30x (11 vs 8.5 ms) | +2.50 ms/call | must PASS, goal FAIL |" in text
+    with pytest.raises(ValueError, match="smoke"):
+        doc.write(page, {**run, "smoke": True})
+    page.write_text("no markers\n")
+    with pytest.raises(ValueError, match="no single <!-- bench:begin -->"):
+        doc.write(page, run)

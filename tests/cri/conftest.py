@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -79,12 +80,16 @@ class Node:
         self.network_file.write_text(self.network)
         self.image = image
         self.runtime: Runtime
+        # Its own short directory: the runtime's unix sockets' paths are
+        # limited to 104 bytes (containerd's check), and tmp_path under
+        # make test's workers is long.
+        top = Path(tempfile.mkdtemp(prefix=f"cri-{RUNTIME}-"))
         if RUNTIME == "crio":
-            self.runtime = CRIO(tmp / "crio", bus.address,
+            self.runtime = CRIO(top, bus.address,
                                 self.cli("shim-config", "--runtime", "crio", "--drop-in"),
                                 shim_socket=self.agent.shim_socket)
         else:
-            self.runtime = Containerd(tmp / "containerd", bus.address,
+            self.runtime = Containerd(top, bus.address,
                                       shim_socket=self.agent.shim_socket)
 
     def start(self, runtime: bool = True) -> None:

@@ -20,6 +20,7 @@ from tests.support.agent import Agent
 from tests.support.net import addresses, allocations
 from tests.support.plugins import Control, seen_netns, wait_for
 from tests.support.shim import run_shim, shim_conf
+from tests.support.state import lose, record, replace_latest, wait_record
 
 pytestmark = pytest.mark.root
 
@@ -39,13 +40,9 @@ def _ips(tmp_path: Path) -> list[str]:
     return allocations(tmp_path / "ipam", "pods")
 
 
-def _record(tmp_path: Path, sid: str) -> Path:
-    return tmp_path / "state" / "sandboxes" / f"{sid}.json"
-
-
 def _checked(agent: Agent, sid: str) -> None:
     """Wait for the baseline CHECK after Setup, which writes the record: a test
-    that edits the record (an older agent's) must not race it."""
+    that edits the record (an older agent's) must come after it."""
     wait_for(lambda: all(a["check"]["state"] != "unchecked" for a in
                          json.loads(agent.call("Show", "s", sid)[0])["attachments"]), timeout=5)
 
@@ -112,37 +109,65 @@ def test_a_del_from_a_renamed_runtime_network_is_a_warning_and_the_pass_frees_th
 # --- 2. damaged state never blocks ----------------------------------------------------
 
 
-@pytest.mark.parametrize("damage", ["empty", "not json", "unknown phase", "newer version"])
+@pytest.mark.parametrize("damage", ["unknown phase", "newer version"])
 def test_a_damaged_record_is_set_aside_and_teardown_works_from_the_cache(
     make_agent: Callable[..., Agent], bridge_chain: str, control: Control, netns: str,
     tmp_path: Path, damage: str,
 ) -> None:
+    """A record whose content is unusable (what a newer agent wrote, read after
+    a downgrade): set aside at start-up, the sandbox handled from its cache."""
     agent = _start(make_agent)
     agent.setup("pod", netns)
     _checked(agent, "pod")
-    record = _record(tmp_path, "pod")
-    doc = json.loads(record.read_text())
+    assert agent.stop() == 0
+    doc = record(tmp_path / "state", "pod")
+    assert doc is not None
     damaged = {
-        "empty": "",  # a rename without its fsyncs, after a power loss (XFS)
-        "not json": '{"sandbox": "pod", "pha',
-        "unknown phase": json.dumps({**doc, "phase": "migrating",
-                                     "attachments": [{**a, "phase": "migrating"}
-                                                     for a in doc["attachments"]]}),
-        "newer version": json.dumps({**doc, "version": 99}),
+        "unknown phase": {**doc, "phase": "migrating",
+                          "attachments": [{**a, "phase": "migrating"} for a in doc["attachments"]]},
+        "newer version": {**doc, "version": 99},
     }[damage]
-    record.write_text(damaged)
+    replace_latest(tmp_path / "state", "pod", damaged)
+    agent.start()
+    aside = tmp_path / "state" / "sandboxes" / "damaged" / "pod.json"
     shown = json.loads(agent.call("Show", "s", "pod")[0])
-    assert shown["damaged_record"] == str(record)
+    assert shown["damaged_record"] == str(aside)
     assert [a["ifname"] for a in shown["attachments"]] == ["eth0"]  # from the cache
     control.reset_records()
     agent.call("Teardown", "ssa{sv}", "pod", netns, "0")
     assert _ips(tmp_path) == [] and addresses(netns) == []
     assert "pod" in _dels(control)
     assert agent.call("ListSandboxes")[0] == []
-    aside = tmp_path / "state" / "sandboxes" / "damaged" / "pod.json"
-    assert aside.read_text() == damaged and not record.exists()  # kept for a post-mortem
-    assert any("WARNING" in x and str(record) in x and "damaged" in x
+    assert json.loads(aside.read_text()) == damaged  # kept for a post-mortem
+    assert record(tmp_path / "state", "pod") is None
+    assert any("WARNING" in x and "pod" in x and "unusable" in x
                for x in agent.log().splitlines())
+
+
+def test_a_record_a_power_cut_took_leaves_the_sandbox_to_its_cache_entries(
+    make_agent: Callable[..., Agent], bridge_chain: str, control: Control, netns: str,
+    tmp_path: Path,
+) -> None:
+    """Every line of the sandbox's record zeroed, as a power cut zeroes what it
+    did not write (here even the committed intent, which a real one cannot
+    take): the damaged bytes are kept, and the sandbox is handled from the
+    libcni cache entry that names it."""
+    agent = _start(make_agent)
+    agent.setup("pod", netns)
+    _checked(agent, "pod")
+    assert agent.stop() == 0
+    assert lose(tmp_path / "state", "pod") > 0
+    agent.start()
+    assert record(tmp_path / "state", "pod") is None
+    shown = json.loads(agent.call("Show", "s", "pod")[0])
+    assert [a["ifname"] for a in shown["attachments"]] == ["eth0"]  # from the cache
+    assert list((tmp_path / "state" / "sandboxes" / "damaged").glob("journal-*"))
+    assert any("WARNING" in x and "damaged byte(s)" in x for x in agent.log().splitlines())
+    control.reset_records()
+    agent.call("Teardown", "ssa{sv}", "pod", netns, "0")
+    assert _ips(tmp_path) == [] and addresses(netns) == []
+    assert "pod" in _dels(control)
+    assert agent.call("ListSandboxes")[0] == []
 
 
 def test_a_damaged_record_of_a_dead_namespace_is_reaped_at_start_up(
@@ -153,19 +178,23 @@ def test_a_damaged_record_of_a_dead_namespace_is_reaped_at_start_up(
     agent.setup("pod", netns)
     _checked(agent, "pod")
     assert agent.stop() == 0
-    _record(tmp_path, "pod").write_bytes(b"")  # the power loss...
+    lose(tmp_path / "state", "pod")  # the power loss...
     subprocess.run(["ip", "netns", "del", _name(netns)], check=True)  # ...took the namespace
     control.reset_records()
     agent.start()
     wait_for(lambda: _ips(tmp_path) == [], timeout=10)
     assert _dels(control) == {"pod": ""}
-    assert (tmp_path / "state" / "sandboxes" / "damaged" / "pod.json").exists()
+    assert list((tmp_path / "state" / "sandboxes" / "damaged").glob("journal-*"))
 
 
-def test_a_damaged_cache_entry_is_deleted_with_the_recorded_config(
+def test_a_damaged_cache_entry_is_deleted_with_the_journals_result(
     make_agent: Callable[..., Agent], bridge_chain: str, control: Control, netns: str,
     tmp_path: Path,
 ) -> None:
+    """The journal holds each result: a cache entry zeroed under a running
+    agent changes nothing of the DEL, which gets the result as its
+    prevResult all the same (before the journal: the record's config and no
+    prevResult)."""
     agent = _start(make_agent)
     agent.setup("pod", netns)
     [entry] = (tmp_path / "state" / "results").iterdir()
@@ -174,8 +203,32 @@ def test_a_damaged_cache_entry_is_deleted_with_the_recorded_config(
     agent.call("Teardown", "ssa{sv}", "pod", netns, "0")
     assert _ips(tmp_path) == [] and addresses(netns) == []
     [rec] = [r for r in control.records() if r["command"] == "DEL"]
-    assert "prevResult" not in rec["stdin"]  # nothing to go by but the record's config
+    assert rec["stdin"]["prevResult"]["ips"]  # the journal's result
     assert not entry.exists()
+
+
+def test_a_cache_entry_a_power_cut_zeroed_is_written_again_from_the_journal(
+    make_agent: Callable[..., Agent], bridge_chain: str, netns: str, tmp_path: Path,
+) -> None:
+    """libcni's cache is not fsynced (libcni never fsyncs it either): after a
+    power cut an entry may be empty or gone. The journal is the source of
+    truth: at start-up, and in every reaping pass, such an entry is written
+    again from it, as it was."""
+    agent = _start(make_agent, gc={"interval": 1})
+    agent.setup("pod", netns)
+    [entry] = (tmp_path / "state" / "results").iterdir()
+    before = json.loads(entry.read_text())
+    assert agent.stop() == 0
+    entry.write_bytes(b"")
+    agent.start()
+    agent.call("ListSandboxes")  # answered once start-up's recovery is done
+    assert json.loads(entry.read_text()) == before
+    assert any("written again from the journal" in x for x in agent.log().splitlines())
+    entry.unlink()  # under a running agent: the next reaping pass restores it
+    wait_for(entry.exists, timeout=10)
+    assert json.loads(entry.read_text()) == before
+    agent.call("Teardown", "ssa{sv}", "pod", netns, "0")
+    assert _ips(tmp_path) == [] and not entry.exists()
 
 
 # --- 3. an identity no container can forge -------------------------------------------
@@ -197,11 +250,10 @@ def test_without_ns_get_id_renaming_eth0_and_its_mac_keeps_the_pods_ip(
     agent = _start(make_agent, env=NO_NS_GET_ID, gc={"interval": 1})
     agent.setup("pod", netns)
     _checked(agent, "pod")
-    record = _record(tmp_path, "pod")
-    doc = json.loads(record.read_text())
+    doc = record(tmp_path / "state", "pod")
+    assert doc is not None
     # What a kernel without NS_GET_ID records (also where the seam is unknown).
-    doc["netnsId"]["nsId"] = None
-    record.write_text(json.dumps(doc))
+    assert doc["netnsId"]["nsId"] is None, doc
     assert doc["netnsId"].get("cookie"), doc  # the socket's netns cookie instead
     [ip] = _ips(tmp_path)
     _forge(netns)
@@ -217,6 +269,21 @@ def test_without_ns_get_id_renaming_eth0_and_its_mac_keeps_the_pods_ip(
     wait_for(lambda: _ips(tmp_path) == [], timeout=10)
 
 
+def _as_0_1_0_wrote_it(agent: Agent, tmp_path: Path, netns: str) -> None:
+    """The agent stopped, and the sandbox's record replaced by 0.1.0's: a record
+    file (imported at the next start) whose netnsId is the inode only."""
+    assert agent.stop() == 0
+    doc = record(tmp_path / "state", "pod")
+    assert doc is not None
+    st = os.stat(netns)
+    doc["netnsId"] = [st.st_dev, st.st_ino]
+    for a in doc["attachments"]:
+        a.pop("result", None)  # 0.1.0 kept results in the cache only
+    legacy = tmp_path / "state" / "sandboxes"
+    legacy.mkdir(exist_ok=True)
+    (legacy / "pod.json").write_text(json.dumps(doc))
+
+
 def test_an_old_inode_only_record_earns_the_kernels_id_once_confirmed(
     make_agent: Callable[..., Agent], bridge_chain: str, control: Control, netns: str,
     tmp_path: Path,
@@ -224,16 +291,20 @@ def test_an_old_inode_only_record_earns_the_kernels_id_once_confirmed(
     agent = _start(make_agent)
     agent.setup("pod", netns)
     _checked(agent, "pod")
-    record = _record(tmp_path, "pod")
-    doc = json.loads(record.read_text())
+    doc = record(tmp_path / "state", "pod")
+    assert doc is not None
     if doc["netnsId"]["nsId"] is None:
         pytest.fail("CI's kernel has NS_GET_ID (Linux >= 6.11); this one does not")
-    st = os.stat(netns)
-    doc["netnsId"] = [st.st_dev, st.st_ino]  # as 0.1.0 wrote it
-    record.write_text(json.dumps(doc))
+    _as_0_1_0_wrote_it(agent, tmp_path, netns)
+    agent.start()
+    agent.call("ListSandboxes")  # answered once start-up's recovery is done
+    assert not (tmp_path / "state" / "sandboxes" / "pod.json").exists()  # imported
     agent.call("GarbageCollect", "as", "1", "pod")  # eth0 and its MAC are there: confirmed
-    upgraded = json.loads(record.read_text())["netnsId"]
-    assert upgraded["nsId"] is not None and upgraded["ino"] == st.st_ino
+    upgraded = wait_record(tmp_path / "state", "pod", lambda d: d is not None and isinstance(
+        d["netnsId"], dict) and d["netnsId"]["nsId"] is not None)
+    assert upgraded is not None
+    assert upgraded["netnsId"]["nsId"] is not None
+    assert upgraded["netnsId"]["ino"] == os.stat(netns).st_ino
     _forge(netns)
     control.reset_records()
     agent.call("GarbageCollect", "as", "1", "pod")
@@ -247,12 +318,10 @@ def test_an_old_record_whose_links_changed_is_neither_reaped_nor_entered(
     agent = _start(make_agent)
     agent.setup("pod", netns)
     _checked(agent, "pod")
-    record = _record(tmp_path, "pod")
-    doc = json.loads(record.read_text())
-    st = os.stat(netns)
-    doc["netnsId"] = [st.st_dev, st.st_ino]
-    record.write_text(json.dumps(doc))
+    _as_0_1_0_wrote_it(agent, tmp_path, netns)
     _forge(netns)  # before any pass confirmed it: the links prove nothing either way
+    agent.start()
+    assert agent.call("WaitReady", "d", "10")[0] is True
     control.reset_records()
     agent.call("GarbageCollect", "as", "1", "pod")
     assert agent.call("ListSandboxes")[0] == ["pod"] and _dels(control) == {}

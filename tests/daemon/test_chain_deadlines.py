@@ -19,6 +19,7 @@ from tests.daemon.conftest import bridge_plugins, plug
 from tests.support.agent import Agent
 from tests.support.net import addresses, allocations, link_exists
 from tests.support.plugins import Control, alive, conflist, install_plugin, wait_for, write_conf
+from tests.support.state import record
 
 pytestmark = pytest.mark.root
 
@@ -76,7 +77,7 @@ def test_add_chain_times_out_as_a_whole_and_is_rolled_back(
     assert addresses(netns) == [] and not link_exists("eth0", netns)
     assert allocations(tmp_path / "ipam", net) == []
     assert list((tmp_path / "state" / "results").iterdir()) == []
-    assert not (tmp_path / "state" / "sandboxes" / "slow-add.json").exists()
+    assert record(tmp_path / "state", "slow-add") is None
     assert agent.call("ListSandboxes")[0] == []
     assert agent.prop("NetworkReady") is True
     # Once the plugins are quick again, the same sandbox sets up.

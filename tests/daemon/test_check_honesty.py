@@ -30,6 +30,7 @@ from tests.daemon.test_drift import Monitor, attachment, metric, show
 from tests.support.agent import Agent, Bus
 from tests.support.net import addresses, allocations, link_exists
 from tests.support.plugins import Control, conflist, wait_for, write_conf
+from tests.support.state import record
 
 pytestmark = pytest.mark.root
 ERR = "org.cniagent.Agent1.Error."
@@ -264,7 +265,7 @@ def test_teardown_of_a_sandbox_with_a_lost_attachment(
     lose(agent, control)
     agent.call("Teardown", "ssa{sv}", "web", netns, "0")  # a DEL with its recorded config
     assert agent.call("ListSandboxes")[0] == []
-    assert not (tmp_path / "state" / "sandboxes" / "web.json").exists()
+    assert record(tmp_path / "state", "web") is None
     assert metric(agent, "cni_agent_attachments_lost") == 0
     assert ERR + "NotFound" in agent.gdbus("Show", "web").stderr
     tried = adds(control)

@@ -207,19 +207,25 @@ def test_two_sandboxes_never_share_one_cache_entry(
 def test_an_entry_that_names_another_attachment_is_not_read_as_this_ones(
     make_agent: Callable[..., Agent], two_nets: None, tmp_path: Path, netns: str,
 ) -> None:
-    """A file an older agent let two attachments share: each read checks the
-    entry's own containerId, ifName and network."""
+    """A file an older agent let two attachments share: the agent goes by the
+    entry's own containerId, ifName and network, never by its name — it
+    neither shows another's entry as this one's, nor rewrites it from this
+    one's record at start-up, nor deletes it with this one."""
     agent = make_agent()
     agent.setup("x", netns, networks=[("testnet-v6", "eth0")])
     entry = tmp_path / "state" / "results" / "testnet-v6-x-eth0"
+    assert agent.stop() == 0
     doc = json.loads(entry.read_text())
     doc.update(containerId="v6-x", networkName="testnet", netns="/run/netns/elsewhere")
     entry.write_text(json.dumps(doc))  # as another attachment's write would have left it
-    shown = agent.busctl("call", "org.cniagent.Agent1", "/org/cniagent/Agent1",
-                         "org.cniagent.Agent1", "Show", "s", "x", check=False)
-    assert "/run/netns/elsewhere" not in shown.stdout and "no cached attachments" in shown.stderr
+    agent.start()
+    shown = json.loads(agent.call("Show", "s", "x")[0])  # x's own, from its record
+    assert "/run/netns/elsewhere" not in json.dumps(shown)
+    assert [(a["network"], a["ifname"]) for a in shown["attachments"]] == [("testnet-v6", "eth0")]
+    assert json.loads(entry.read_text())["containerId"] == "v6-x"  # not rewritten as x's
     agent.call("Teardown", "ssa{sv}", "x", "", "0")
     assert json.loads(entry.read_text())["containerId"] == "v6-x"  # not x's to delete
+    assert "another attachment's file" in agent.log()
 
 
 # --- 5. what a member may change ------------------------------------------------------------

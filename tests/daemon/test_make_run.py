@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.agent import REPO
+from tests.support.plugins import wait_for
 
 pytestmark = pytest.mark.root
 
@@ -21,7 +22,7 @@ def _processes(pattern: str) -> list[str]:
     return out.stdout.split()
 
 
-def test_make_run_shows_it_working_and_cleans_up_on_ctrl_c() -> None:
+def test_make_run_shows_it_working_and_cleans_up_on_ctrl_c(fallback_bridge: None) -> None:
     proc = subprocess.Popen(["make", "--no-print-directory", "run"], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -71,7 +72,7 @@ def test_make_run_shows_it_working_and_cleans_up_on_ctrl_c() -> None:
     assert not Path(workdir.group(1)).exists()
 
 
-def test_make_run_cleans_up_when_its_output_pipe_is_gone() -> None:
+def test_make_run_cleans_up_when_its_output_pipe_is_gone(fallback_bridge: None) -> None:
     """`make run | tee run.log`, then Ctrl-C: tee dies first, the cleanup must not."""
     proc = subprocess.Popen(["make", "--no-print-directory", "run"], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -92,9 +93,11 @@ def test_make_run_cleans_up_when_its_output_pipe_is_gone() -> None:
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+    # make itself may die first (its "Interrupt" message meets the closed pipe:
+    # SIGPIPE), so the script's cleanup is waited for by what it leaves.
+    wait_for(lambda: not Path(workdir.group(1)).exists(), timeout=90)
     after = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert netns.group(1) not in after
     assert subprocess.run(["ip", "link", "show", "cniagent0"], capture_output=True).returncode != 0
     assert not _processes(r"cni-agent-dev-.*agent\.yaml")
     assert not _processes(r"dbus-daemon --config-file=/tmp/cni-agent-dev-")
-    assert not Path(workdir.group(1)).exists()

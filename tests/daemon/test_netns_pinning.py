@@ -23,6 +23,7 @@ import pytest
 from tests.support.agent import Agent
 from tests.support.net import addresses, allocations, link_exists
 from tests.support.plugins import Control, ns_key, seen_netns
+from tests.support.state import lose
 
 pytestmark = pytest.mark.root
 
@@ -116,7 +117,10 @@ def test_teardown_without_record_after_a_swap_runs_in_the_checked_namespace(
     a, victim = netns_factory(), netns_factory()
     agent.setup("norec", a)
     # Only the libcni cache entry is left, as another tool (or an older run) leaves it.
-    (tmp_path / "state" / "sandboxes" / "norec.json").unlink()
+    assert agent.stop() == 0
+    assert lose(tmp_path / "state", "norec")
+    agent.start()
+    assert agent.call("WaitReady", "d", "10")[0] is True
     # The victim has an eth0 of its own, which a DEL there would delete.
     subprocess.run(["ip", "-n", Path(victim).name, "link", "add", "eth0", "type", "veth",
                     "peer", "name", "peer0"], check=True)
@@ -145,7 +149,10 @@ def test_teardown_without_record_and_a_missing_netns_still_dels(
     agent = make_agent()
     a = netns_factory()
     agent.setup("gone", a)
-    (tmp_path / "state" / "sandboxes" / "gone.json").unlink()
+    assert agent.stop() == 0
+    assert lose(tmp_path / "state", "gone")  # only its libcni cache entry is left
+    agent.start()
+    assert agent.call("WaitReady", "d", "10")[0] is True
     control.reset_records()
     agent.call("Teardown", "ssa{sv}", "gone", str(tmp_path / "no-such-netns"), "0")
     assert [seen_netns(r) for r in control.records() if r["command"] == "DEL"] == [""]

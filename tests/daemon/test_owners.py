@@ -22,6 +22,7 @@ import pytest
 from tests.support.agent import Agent, Bus, as_member, member_cli, readable_source
 from tests.support.net import addresses, allocations
 from tests.support.plugins import wait_for
+from tests.support.state import record
 
 pytestmark = pytest.mark.root
 
@@ -120,9 +121,9 @@ def test_a_member_sets_up_and_tears_down_its_own_namespace(
         assert shown["attachments"][0]["ifname"] == "eth0"
         assert json.loads(cli(member_agent, member, "show", "m2", "--json").stdout)["sandbox"] == "m2"
         # Its ids are its own: on disk (and to root) they carry its uid.
-        record = json.loads((tmp_path / "state" / "sandboxes" / f"cni-agent.u{uid}.m2.json")
-                            .read_text())
-        assert record["owner"] == uid and record["sandbox"] == f"cni-agent.u{uid}.m2"
+        rec = record(tmp_path / "state", f"cni-agent.u{uid}.m2")
+        assert rec is not None
+        assert rec["owner"] == uid and rec["sandbox"] == f"cni-agent.u{uid}.m2"
         assert member_agent.call("ListSandboxes")[0] == [f"cni-agent.u{uid}.m2"]
         out = cli(member_agent, member, "teardown", "m2")
         assert out.returncode == 0, out

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import unique_name
+from tests.conftest import machine_wide, unique_name
 from tests.daemon.test_owners import cli, own_netns
 from tests.support.agent import REPO, Agent, Bus
 from tests.support.net import allocations
@@ -49,6 +49,12 @@ def users() -> Iterator[tuple[str, str]]:
 
 @pytest.fixture
 def polkit(users: tuple[str, str]) -> Iterator[Callable[[Bus], subprocess.Popen[bytes]]]:
+    # The DEB's tests install and purge the same action file (and a rule).
+    with machine_wide("installed"):
+        yield from _polkit(users)
+
+
+def _polkit(users: tuple[str, str]) -> Iterator[Callable[[Bus], subprocess.Popen[bytes]]]:
     """Our action file where polkitd reads it, an admin's rule for the first user,
     and a polkitd started on a given bus."""
     assert POLKITD.exists(), "polkitd missing: make setup installs it"

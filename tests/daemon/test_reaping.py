@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 from collections.abc import Callable
@@ -13,6 +12,7 @@ import pytest
 from tests.support.agent import Agent
 from tests.support.net import addresses, allocations, delete_link
 from tests.support.plugins import Control, conflist, ns_key, seen_netns, wait_for, write_conf
+from tests.support.state import record, records, replace_latest
 
 pytestmark = pytest.mark.root
 
@@ -50,7 +50,7 @@ def test_reboot_reaps_deleted_and_reused_namespaces(
     assert len(allocations(tmp_path / "ipam", "pods")) == 1
     assert addresses(reused) == []
     assert len(addresses(live)) == 1
-    assert sorted(p.name for p in (tmp_path / "state" / "sandboxes").iterdir()) == ["live.json"]
+    assert sorted(records(tmp_path / "state")) == ["live"]
 
 
 def test_gc_runs_again_on_recovery(
@@ -100,12 +100,13 @@ def test_kill_9_during_setup_is_rolled_back_on_restart(
     wait_for(lambda: allocations(tmp_path / "ipam", "pods") == [], timeout=15)
     assert addresses(netns) == []
     assert agent.call("ListSandboxes")[0] == []
-    assert list((tmp_path / "state" / "sandboxes").iterdir()) == []
+    assert records(tmp_path / "state") == {}
     assert _dels(control) == {"crash": ns_key(netns)}  # the namespace still exists: DEL cleans it
 
 
 def test_fallback_network_serves_until_a_real_config_appears(
     make_agent: Callable[..., Agent], netns: str, tmp_path: Path, testnet: Callable[..., Path],
+    fallback_bridge: None,
 ) -> None:
     agent = make_agent(fallback_network=True)
     try:
@@ -132,12 +133,14 @@ def test_a_different_kernel_namespace_id_marks_the_sandbox_dead_though_the_inode
 ) -> None:
     """What the kernel does when it reuses an nsfs inode for a recreated namespace:
     (st_dev, st_ino) and even eth0 with its MAC match, only NS_GET_ID differs
-    (here: the record's id is changed). The kernel's id decides: the sandbox is
-    dead and DELed with an empty netns, its IP released (issue 12, item 4)."""
+    (here: the record's id is changed, the agent stopped meanwhile). The kernel's
+    id decides: the sandbox is dead and DELed with an empty netns, its IP
+    released (issue 12, item 4)."""
     agent = make_agent()
     agent.setup("pod", netns)
-    record = tmp_path / "state" / "sandboxes" / "pod.json"
-    doc = json.loads(record.read_text())
+    state = tmp_path / "state"
+    doc = record(state, "pod")
+    assert doc is not None
     nsid = doc["netnsId"]["nsId"]
     if nsid is None:
         pytest.skip("this kernel has no NS_GET_ID (Linux < 6.11)")
@@ -146,9 +149,14 @@ def test_a_different_kernel_namespace_id_marks_the_sandbox_dead_though_the_inode
     assert agent.call("ListSandboxes")[0] == ["pod"]  # the recorded id: the same namespace
     assert _dels(control) == {}
     doc["netnsId"]["nsId"] = nsid + 1_000_000  # dev, ino and boot kept as recorded
-    record.write_text(json.dumps(doc))
+    assert agent.stop() == 0
+    replace_latest(state, "pod", doc)
+    agent.start()
+    assert agent.call("WaitReady", "d", "10")[0] is True
+    # The GC the network's readiness starts may be reaping it already (this
+    # call then finds it in use and leaves it to that one): wait for the outcome.
     agent.call("GarbageCollect", "as", "1", "pod")
-    assert agent.call("ListSandboxes")[0] == []
+    wait_for(lambda: agent.call("ListSandboxes")[0] == [], timeout=10)
     assert _dels(control) == {"pod": ""}  # another namespace: DEL without it
     assert allocations(tmp_path / "ipam", "pods") == []
     assert addresses(netns) != []  # nothing ran in the namespace the path names now

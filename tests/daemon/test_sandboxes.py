@@ -15,6 +15,7 @@ from tests.daemon.conftest import plug
 from tests.support.agent import Agent, options
 from tests.support.net import addresses, allocations, delete_link
 from tests.support.plugins import Control, conflist, write_conf
+from tests.support.state import records
 
 pytestmark = pytest.mark.root
 
@@ -147,7 +148,7 @@ def test_failed_setup_rolls_back_everything(
     dels = [r for r in control.records() if r["command"] == "DEL"]
     assert [r["env"]["CNI_IFNAME"] for r in dels] == ["net1"]
     assert list((tmp_path / "state" / "results").iterdir()) == []
-    assert list((tmp_path / "state" / "sandboxes").iterdir()) == []
+    assert records(tmp_path / "state") == {}
     assert agent.call("ListSandboxes")[0] == []
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import signal
 import subprocess
@@ -16,6 +15,7 @@ import pytest
 
 from tests.support.agent import NAME, Agent, Bus, options
 from tests.support.plugins import Control, wait_for
+from tests.support.state import record
 
 pytestmark = pytest.mark.root
 ERR = "org.cniagent.Agent1.Error."
@@ -379,8 +379,8 @@ def test_a_call_in_flight_keeps_the_drain_going_and_completes(
     assert slow.returncode == 0, err
     assert agent.proc.wait(30) == 0
     assert time.monotonic() - t0 < 10.0  # ended once idle, before shutdown_drain
-    record = json.loads((agent.tmp / "state" / "sandboxes" / "slow.json").read_text())
-    assert [a["phase"] for a in record["attachments"]] == ["ready"]
+    rec = record(agent.tmp / "state", "slow")
+    assert rec is not None and [a["phase"] for a in rec["attachments"]] == ["ready"]
 
 
 def test_the_bus_going_away_during_the_drain_ends_it(
@@ -408,8 +408,8 @@ def test_the_bus_going_away_during_the_drain_ends_it(
     # (dbus-fast itself logs that the reply to the Setup could not be sent.)
     assert "listener failed" not in log and "changed size during iteration" not in log
     # The Setup that was in flight finished: its record is complete.
-    record = json.loads((tmp_path / "state" / "sandboxes" / "inflight.json").read_text())
-    assert [a["phase"] for a in record["attachments"]] == ["ready"]
+    rec = record(tmp_path / "state", "inflight")
+    assert rec is not None and [a["phase"] for a in rec["attachments"]] == ["ready"]
     bus.stop()
 
 

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from tests.support.agent import Agent
 from tests.support.dbusclient import SyncClient
 from tests.support.plugins import Control, ns_key
+from tests.support.state import records
 
 pytestmark = pytest.mark.root
 INVALID = "org.cniagent.Agent1.Error.InvalidArgument"
@@ -63,7 +64,7 @@ def hostile(make_agent: Callable[..., Agent], testnet: Callable[..., Path], netn
         before.pop(d), after.pop(d)
     assert after == before
     # Nothing inside the agent's own dirs either: no records, cache entries or lock files.
-    assert list((state / "sandboxes").iterdir()) == []
+    assert records(state) == {}
     assert list((state / "results").iterdir()) == []
     assert not (run / "locks").exists() or list((run / "locks").iterdir()) == []
 

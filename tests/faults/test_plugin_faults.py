@@ -14,6 +14,7 @@ import pytest
 
 from tests.support.agent import NAME, Agent
 from tests.support.plugins import Control, alive, wait_for
+from tests.support.state import record
 
 pytestmark = pytest.mark.root
 ERR = "org.cniagent.Agent1.Error."
@@ -36,7 +37,7 @@ def assert_clean(agent: Agent, sandbox: str, control: Control, tmp: Path) -> Non
     assert agent.proc is not None and agent.proc.poll() is None
     assert agent.prop("NetworkReady") is True
     assert sandbox not in agent.call("ListSandboxes")[0]
-    assert not (tmp / "state" / "sandboxes" / f"{sandbox}.json").exists()
+    assert record(tmp / "state", sandbox) is None
     wait_for(lambda: _children(agent.proc.pid) == [], timeout=5)  # type: ignore[union-attr]
     for rec in control.records(None):
         for pid in (rec.get("pid"), rec.get("child")):

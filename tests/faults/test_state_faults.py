@@ -1,15 +1,16 @@
-"""The agent's own disk failing (issue 36, item 4): only damaged content is quarantined.
+"""The agent's own resources failing (issue 36, item 4): only damaged content is quarantined.
 
-A read of a sandbox record that fails for a reason that can pass (here EMFILE,
-the agent out of descriptors) used to count as a damaged record: it was moved
-to `damaged/` for good, and with it the owner, the namespace's identity and
-the check state. Now the one operation fails with StateError and the record
-stays where it is.
+A read of a sandbox record that failed for a reason that can pass (EMFILE,
+the agent out of descriptors) used to count as a damaged record: it was
+moved to `damaged/` for good, and with it the owner, the namespace's
+identity and the check state. Records are read from the journal's memory
+now, so no read can fail that way; the agent out of descriptors fails the
+one operation with a named error, sets nothing aside, and loses nothing of
+the record.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.agent import Agent
+from tests.support.state import record
 
 pytestmark = pytest.mark.root
 ERR = "org.cniagent.Agent1.Error."
@@ -38,12 +40,12 @@ def test_a_record_that_cannot_be_read_now_is_left_in_place(
                        gc={"interval": 0}, check={"interval": 0})
     agent.setup("st1", netns)
     agent.call("CheckSandboxes", "as", "1", "st1")  # a check state in the record
-    record = tmp_path / "state" / "sandboxes" / "st1.json"
-    before = json.loads(record.read_text())
-    assert before["netnsId"] and before["attachments"][0]["check"]["verdict"] == "ok"
+    state = tmp_path / "state"
+    before = record(state, "st1")
+    assert before and before["netnsId"] and before["attachments"][0]["check"]["verdict"] == "ok"
 
     # One free descriptor slot: a Teardown's lock file takes it (its netns ""
-    # opens none), and the record's read that follows fails with EMFILE.
+    # opens none), and what needs one next (the plugin's pipes) fails with EMFILE.
     assert agent.proc is not None
     pid = agent.proc.pid
     soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
@@ -53,11 +55,14 @@ def test_a_record_that_cannot_be_read_now_is_left_in_place(
     finally:
         resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
     assert out.returncode != 0, out
-    assert ERR + "StateError" in out.stderr, out.stderr
-    assert "Too many open files" in out.stderr and "left in place" in out.stderr, out.stderr
-    # Nothing was set aside: the record is as it was, owner, identity, checks.
-    assert json.loads(record.read_text()) == before
-    assert not (tmp_path / "state" / "sandboxes" / "damaged").exists()
+    assert ERR in out.stderr and "Too many open files" in out.stderr, out.stderr
+    # Nothing was set aside: owner, identity and checks are as they were.
+    after = record(state, "st1")
+    assert after is not None
+    for key in ("owner", "netns", "netnsId"):
+        assert after[key] == before[key], key
+    assert after["attachments"][0]["check"] == before["attachments"][0]["check"]
+    assert not (state / "sandboxes" / "damaged").exists()
     # The limit back, the same call works.
     agent.call("Teardown", "ssa{sv}", "st1", "", "0")
-    assert not record.exists() and agent.call("ListSandboxes")[0] == []
+    assert record(state, "st1") is None and agent.call("ListSandboxes")[0] == []

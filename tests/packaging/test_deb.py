@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import unique_name
+from tests.conftest import machine_wide, unique_name
 from tests.support.agent import REPO, Bus, NotifySocket
 from tests.support.net import addresses, allocations, delete_link
 from tests.support.plugins import wait_for
@@ -59,6 +59,11 @@ def _run(*cmd: str, **kw: object) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(scope="module")
 def installed() -> Iterator[list[str]]:
+    with machine_wide("installed"):  # polkit's tests use what the package installs
+        yield from _installed()
+
+
+def _installed() -> Iterator[list[str]]:
     if _run("dpkg-query", "-W", "cni-agent").returncode == 0:
         pytest.fail("cni-agent is already installed on this machine; remove it first")
     state_existed = Path("/var/lib/cni-agent").exists()

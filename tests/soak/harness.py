@@ -2,8 +2,8 @@
 
 `make soak` runs the long versions (`python -m tests.soak`); `make test` runs
 short ones (test_soak.py). Both check the same invariant: every sandbox is
-either fully set up (record, cache entry, address in its namespace, IP
-allocated) or fully gone — nothing leaked, nothing lost.
+either fully set up (a record in the journal, cache entry, address in its
+namespace, IP allocated) or fully gone — nothing leaked, nothing lost.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from pathlib import Path
 from tests.support.agent import Agent, Bus
 from tests.support.dbusclient import CLIENT_TIMEOUT, SyncClient
 from tests.support.net import addresses
+from tests.support.state import lose, records
 
 NETWORK = "soak"
 SUBNET = "10.218.0.0/22"
@@ -104,8 +105,8 @@ class Node:
 
     def unfinished(self) -> list[str]:
         """Sandboxes whose record says an operation is under way."""
-        return [p.stem for p in (self.tmp / "state" / "sandboxes").glob("*.json")
-                if json.loads(p.read_text())["phase"] != "ready"]
+        return [sid for sid, doc in records(self.tmp / "state").items()
+                if doc["phase"] != "ready"]
 
     def veths(self) -> int:
         out = subprocess.run(["ip", "-j", "link", "show", "master", self.bridge],
@@ -116,12 +117,12 @@ class Node:
         """Every sandbox fully set up or fully gone; returns the violations."""
         problems = []
         state = self.tmp / "state"
-        records = {p.stem: json.loads(p.read_text()) for p in (state / "sandboxes").glob("*.json")}
+        recs = records(state)
         cached = {p.name.split("-")[1]: p for p in (state / "results").glob(f"{NETWORK}-*")}
         owners = Counter(self.allocations().values())
         live = 0
         for sid in self.ids:
-            rec, entry, ips = records.get(sid), cached.get(sid), addresses(self.path(sid))
+            rec, entry, ips = recs.get(sid), cached.get(sid), addresses(self.path(sid))
             allocated = owners.get(sid, 0)
             if rec is None and entry is None and not ips and allocated == 0:
                 continue
@@ -135,11 +136,13 @@ class Node:
                             f"addresses={ips} allocations={allocated}")
         stray = set(owners) - set(self.ids)
         problems += [f"allocation for unknown container {s}" for s in sorted(stray)]
+        problems += [f"record of unknown sandbox {s}" for s in sorted(set(recs) - set(self.ids))]
         if self.veths() != live:
             problems.append(f"{self.veths()} veths on the bridge for {live} live sandboxes")
         locks = list((self.tmp / "run" / "locks").glob("*")) if (self.tmp / "run" / "locks").exists() else []
         problems += [f"lock file left: {p.name}" for p in locks]
-        temp = [p for d in ("results", "sandboxes") for p in (state / d).glob(".tmp-*")]
+        temp = [p for d in ("results", "journal") for pattern in (".tmp*", "*.tmp")
+                for p in (state / d).glob(pattern)]
         problems += [f"temp file left: {p}" for p in temp]
         return problems
 
@@ -354,9 +357,11 @@ def crashes(kills: int, sandboxes: int = 12, seed: int = 2) -> Report:
 
 
 def power_loss(kills: int, sandboxes: int = 12, seed: int = 4) -> Report:
-    """kill -9 at random points, then zero a random record or cache entry (what a
-    rename without its fsyncs leaves after a power loss), restart: every
-    Teardown succeeds and no IP, veth, record or cache entry is left."""
+    """kill -9 at random points, then zero a random cache entry (written without
+    fsync: what a power loss can leave) or every journal line of a sandbox's
+    record (damage from outside: the journal commits before plugins run),
+    restart: every Teardown succeeds and no IP, veth, record or cache entry is
+    left."""
     report = Report("power")
     node = Node(sandboxes, tag="power")
     rng = random.Random(seed)
@@ -396,19 +401,23 @@ def power_loss(kills: int, sandboxes: int = 12, seed: int = 4) -> Report:
             for t in threads:
                 t.join(30)
             # Any cache entry; a record only when its sandbox has a cache entry
-            # too. A record zeroed while its first ADD was in flight (no cache
+            # too. A record lost while its first ADD was in flight (no cache
             # entry yet) leaves nothing on disk that names the network, and the
             # agent does not guess (docs/reliability.md, "Damaged state never blocks"); our
             # own writes are durable, so only outside damage can do that.
+            # (The agent is killed already: the journal can be damaged now.)
             results = sorted((state / "results").glob("*"))
             cached = {p.name.split("-")[1] for p in results}
-            files = sorted([*(p for p in (state / "sandboxes").glob("*.json") if p.stem in cached),
-                            *results])
-            if files:
-                victim = rng.choice(files)
-                victim.write_bytes(b"")
-                report.outcomes["record zeroed" if victim.parent.name == "sandboxes"
-                                else "cache entry zeroed"] += 1
+            victims: list[str | Path] = [*sorted(sid for sid in records(state) if sid in cached),
+                                         *results]
+            if victims:
+                victim = rng.choice(victims)
+                if isinstance(victim, str):
+                    assert lose(state, victim), victim
+                    report.outcomes["record zeroed"] += 1
+                else:
+                    victim.write_bytes(b"")
+                    report.outcomes["cache entry zeroed"] += 1
             node.start()
             client = SyncClient(node.bus.address)
             try:
@@ -426,7 +435,7 @@ def power_loss(kills: int, sandboxes: int = 12, seed: int = 4) -> Report:
             if problems:
                 report.leaks += problems
                 break
-        report.notes.append(f"{kills} kills, each followed by a zeroed file; "
+        report.notes.append(f"{kills} kills, each followed by a zeroed cache entry or record; "
                             f"{len(list((state / 'sandboxes' / 'damaged').glob('*')))} "
                             "damaged records set aside")
     finally:

@@ -46,6 +46,7 @@ class Node:
             check=CheckConfig(interval=0),
         ).replace(**overrides)
         self.core: Core = build_core(self.cfg, self.fake)
+        self.core.journal.open()  # as the daemon does before anything reads a record
         self.recovery: asyncio.Task[Any] | None = None
 
     def network(self, name: str, *types: str, filename: str = "") -> None:

@@ -3,9 +3,14 @@
 `<state>/results/<network>-<containerID>-<ifname>` holding
 `{"kind":"cniCacheV1", "containerId", "config" (base64 of the list bytes),
 "ifName", "networkName", "netns", "cniArgs", "capabilityArgs", "result"}`,
-so cnitool-era tools and people can read what the agent did. Writes are
-atomic (temp file, fsync, rename, fsync of the directory): a crash leaves
-the old entry or the new one, never half of either.
+so cnitool-era tools and people can read what the agent did. Entries are
+written in place and not fsynced, as libcni writes its own: the agent's
+journal holds each result too, and rewrites an entry that a crash left
+half-written or a power loss took or zeroed (`sandboxes.journal`).
+
+Only the agent writes its state dir, so what the directory holds is known
+without reading it (`index`, built by one scan at start-up): whose file each
+name is, and which sandboxes have entries no record names.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Any
 from cni_agent.cni.errors import CacheError
 
 CACHE_KIND = "cniCacheV1"
+_WRITE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 @dataclass(frozen=True)
@@ -92,12 +98,15 @@ def atomic_write(path: str, data: bytes, mode: int = 0o600, durable: bool = True
 
 
 class ResultCache:
-    """Blocking file operations on the local state dir. Writes (durable) and
-    scans (they grow with the node) run off the event loop; reading or
-    unlinking one entry is a few syscalls, cheaper on the loop than a thread hop."""
+    """File operations on the local state dir. Writing, reading or unlinking one
+    entry is a few syscalls, cheaper on the event loop than a thread hop; the
+    one scan of the directory (start-up) runs off the loop."""
 
     def __init__(self, state_dir: str) -> None:
         self.dir = os.path.join(state_dir, "results")
+        # File name → the (network, container id, ifname) its content names;
+        # None until `scan` built it (then every read goes by it).
+        self._index: dict[str, tuple[str, str, str]] | None = None
 
     def path(self, network: str, container_id: str, ifname: str) -> str:
         return os.path.join(self.dir, f"{network}-{container_id}-{ifname}")
@@ -105,29 +114,88 @@ class ResultCache:
     def _ensure_dir(self) -> None:
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
 
-    def write(self, entry: CachedAttachment) -> None:
+    def scan(self, trusted: Mapping[str, tuple[str, str, str]] | None = None,
+             before: int = 0) -> tuple[list[CachedAttachment], list[str], set[str]]:
+        """Read the entries and index them: the readable ones, the paths of
+        those that are not (kept out of the index: their names are free), and
+        the names of `trusted` files taken as what they say without reading
+        them (file name → the (network, container id, ifname) it holds: what
+        the agent itself wrote before its clean stop at `before`, a ctime in
+        ns), when not empty and not changed since.
+        Blocking: start-up, off the loop."""
+        index: dict[str, tuple[str, str, str]] = {}
+        good: list[CachedAttachment] = []
+        bad: list[str] = []
+        taken: set[str] = set()
+        trusted = trusted or {}
         try:
-            self._ensure_dir()
+            listing = list(os.scandir(self.dir))
+        except FileNotFoundError:
+            listing = []
+        for item in listing:
+            if item.name.startswith("."):
+                continue
+            key = trusted.get(item.name)
+            if key is not None:
+                try:
+                    st = item.stat(follow_symlinks=False)
+                    # ctime: a write after the stop, even one that put the
+                    # old mtime back, is newer (same tick: read it)
+                    if st.st_size > 0 and st.st_ctime_ns < before:
+                        index[item.name] = key
+                        taken.add(item.name)
+                        continue
+                except OSError:
+                    continue
+            try:
+                entry = self.read_path(item.path)
+            except FileNotFoundError:
+                continue
+            except CacheError:
+                bad.append(item.path)
+                continue
+            index[item.name] = (entry.network, entry.container_id, entry.ifname)
+            good.append(entry)
+        self._index = index
+        return good, bad, taken
+
+    def write(self, entry: CachedAttachment) -> None:
+        """Write the entry in place, as libcni does: an entry a killed agent
+        left half-written is written again from the journal at start-up, and
+        only the agent writes this directory (no temporary file, no rename)."""
+        try:
             data = json.dumps(entry.to_json()).encode()
-            atomic_write(self.path(entry.network, entry.container_id, entry.ifname), data)
+            path = self.path(entry.network, entry.container_id, entry.ifname)
+            try:
+                fd = os.open(path, _WRITE, 0o600)
+            except FileNotFoundError:  # the first entry (or the dir was removed)
+                self._ensure_dir()
+                fd = os.open(path, _WRITE, 0o600)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
         except OSError as e:
             raise CacheError(f"cannot write result cache: {e}") from e
+        if self._index is not None:
+            self._index[os.path.basename(path)] = (entry.network, entry.container_id,
+                                                   entry.ifname)
 
     def delete(self, network: str, container_id: str, ifname: str) -> None:
-        """Remove the attachment's entry, never another's that has the same name.
-
-        Not fsynced: an entry that reappears after a power loss names an
-        attachment whose namespace is gone, which GC reaps (DEL is idempotent).
-        """
+        """Remove the attachment's entry, never another's that has the same name."""
         path = self.path(network, container_id, ifname)
         if not self.free_for(network, container_id, ifname):
             return  # the file is another attachment's (libcni's names can collide)
         try:
             os.unlink(path)
         except FileNotFoundError:
-            return
+            pass
         except OSError as e:
             raise CacheError(f"cannot remove cache entry: {e}") from e
+        if self._index is not None:
+            self._index.pop(os.path.basename(path), None)
 
     def free_for(self, network: str, container_id: str, ifname: str) -> bool:
         """Whether the attachment's libcni-named file is absent, unreadable (its
@@ -136,6 +204,9 @@ class ResultCache:
         "testnet-v6" + "x" name one file)."""
         if "-" not in network + container_id + ifname:
             return True  # then the name has two '-' only: no other split of it exists
+        if self._index is not None:
+            held = self._index.get(f"{network}-{container_id}-{ifname}")
+            return held is None or held == (network, container_id, ifname)
         try:
             entry = self.read_path(self.path(network, container_id, ifname))
         except (FileNotFoundError, CacheError):
@@ -169,10 +240,13 @@ class ResultCache:
             return []
 
     def _scan(self, match: str | None, check: Mapping[str, str]) -> list[CachedAttachment]:
+        if self._index is not None:
+            names = sorted(n for n, key in self._index.items()
+                           if all(_KEYS[k](key) == v for k, v in check.items()))
+        else:
+            names = [n for n in self._names() if match is None or match in n]
         found = []
-        for name in self._names():
-            if match is not None and match not in name:
-                continue
+        for name in names:
             try:
                 entry = self.read_path(os.path.join(self.dir, name))
             except (FileNotFoundError, CacheError):
@@ -182,7 +256,8 @@ class ResultCache:
         return found
 
     def for_container(self, container_id: str) -> list[CachedAttachment]:
-        """Attachments of a container: names containing `-<id>-`, then the JSON checked."""
+        """Attachments of a container: by the index (no file is read when it has
+        none); before `scan`, names containing `-<id>-`, then the JSON checked."""
         return self._scan(f"-{container_id}-", {"container_id": container_id})
 
     def for_network(self, network: str) -> list[CachedAttachment]:
@@ -190,6 +265,16 @@ class ResultCache:
 
     def all(self) -> list[CachedAttachment]:
         return self._scan(None, {})
+
+    def keys(self) -> list[tuple[str, str, str]]:
+        """(network, container id, ifname) of every entry: from the index, no
+        file read (before `scan`: every file read)."""
+        if self._index is not None:
+            return sorted(self._index.values())
+        return sorted((e.network, e.container_id, e.ifname) for e in self.all())
+
+
+_KEYS = {"network": lambda key: key[0], "container_id": lambda key: key[1]}
 
 
 def _is(entry: CachedAttachment, network: str, container_id: str, ifname: str) -> bool:

@@ -37,6 +37,8 @@ from cni_agent.cni.trust import checked, identity
 _STRIPPED_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS",
                  "LISTEN_PID", "LISTEN_FDNAMES", "INVOCATION_ID")
 
+_RUN_KEY = RUN_ENV.encode()
+
 MAX_STDOUT = 8 * 1024 * 1024
 MAX_STDERR = 64 * 1024
 
@@ -93,16 +95,18 @@ class _Proof:
     before: tuple[str, ...]
 
     def holds(self) -> bool:
-        for path, ident in self.walked:
-            try:
+        try:
+            for path, ident in self.walked:
                 if identity(os.lstat(path)) != ident:
                     return False
-            except OSError:
-                return False
-        for path in self.before:
-            with contextlib.suppress(OSError):
+        except OSError:
+            return False
+        for path in self.before:  # usually none: the plugin is in the first dir
+            try:
                 if stat.S_ISREG(os.stat(path).st_mode):
                     return False  # a plugin appeared in a dir searched first
+            except OSError:
+                pass
         return True
 
 
@@ -259,7 +263,9 @@ class ProcessExecutor:
         self._busy_delay = busy_delay
         self._base_env = base_env
         self._instance = instance
-        self._env_cache: dict[str, str] | None = None
+        self._env_cache: dict[bytes, bytes] | None = None
+        self._env_inv: Invocation | None = None  # whose CNI_* variables `_env` holds
+        self._env: dict[bytes, bytes] = {}
         self._leftovers = Leftovers()
         self._lookups = PluginLookups()
         if subreaper:
@@ -268,7 +274,11 @@ class ProcessExecutor:
     def find(self, plugin: str, dirs: Sequence[str], verb: str) -> str:
         return self._lookups.find(plugin, dirs, verb)
 
-    def _environ(self, inv: Invocation) -> dict[str, str]:
+    def _environ(self, inv: Invocation) -> dict[bytes, bytes]:
+        """A plugin's environment, in bytes: posix_spawn takes them as they are
+        (str it encodes, every variable on every run). The same dict while
+        runs share `inv` (a chain's plugins do): only the caller's RUN_ENV
+        changes, set right before each spawn."""
         if self._env_cache is None:
             # Built once: copying os.environ costs ~0.15 ms, on every plugin run.
             env = dict(os.environ if self._base_env is None else self._base_env)
@@ -276,14 +286,20 @@ class ProcessExecutor:
                 env.pop(key, None)
             if self._instance:
                 env[INSTANCE_ENV] = self._instance
-            self._env_cache = env
-        return {**self._env_cache, **inv.environ()}
+            self._env_cache = {os.fsencode(k): os.fsencode(v) for k, v in env.items()}
+        if inv is not self._env_inv:
+            self._env = {**self._env_cache,
+                         **{os.fsencode(k): os.fsencode(v) for k, v in inv.environ().items()}}
+            self._env_inv = inv
+        return self._env
 
     async def _spawn(self, plugin: str, binary: str, inv: Invocation, stdin: bytes,
                      timeout: float | None = None) -> Child:
         env = self._environ(inv)
-        token = env[RUN_ENV] = self._leftovers.token()
+        token = self._leftovers.token()
+        marker = token.encode()
         for attempt in range(self._busy_retries + 1):
+            env[_RUN_KEY] = marker  # before each try: another run may spawn while one waits
             try:
                 return Child(binary, env, stdin, self._max_stdout, self._max_stderr,
                              leftovers=self._leftovers, token=token,

@@ -47,6 +47,20 @@ _PR_SET_CHILD_SUBREAPER = 36
 _MAX_TREE = 4096  # processes walked below one leftover: a fork bomb must not hold the loop
 
 
+# This process's pid, without a getpid() on every plugin run: the agent
+# forks nothing but plugins (posix_spawn runs no Python in the child); a fork
+# that does (a test's multiprocessing) sets it again.
+_pid = os.getpid()
+
+
+def _forked() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 def make_subreaper() -> bool:
     """Make this process its descendants' reaper; False where the kernel refuses."""
     libc = ctypes.CDLL(None, use_errno=True)
@@ -136,7 +150,7 @@ class Leftovers:
 
     def token(self) -> str:
         self._count += 1
-        return f"{os.getpid()}-{self._count}"
+        return f"{_pid}-{self._count}"
 
     def started(self, pid: int, token: str) -> None:
         self._running[pid] = token
@@ -149,7 +163,10 @@ class Leftovers:
         one (plugins are spawned from the loop's thread). The files stay open: a
         pread of one is ~1 us, an open of a /proc file 20 us."""
         found: set[int] = set()
-        for tid in {os.getpid(), threading.get_native_id()}:
+        # The main thread's id is the pid: no gettid() when the loop runs there (the daemon's).
+        here = _pid if threading.current_thread() is threading.main_thread() else \
+            threading.get_native_id()
+        for tid in {_pid, here}:
             fd = self._files.get(tid)
             if fd is None:
                 try:

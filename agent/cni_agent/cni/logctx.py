@@ -12,21 +12,22 @@ from __future__ import annotations
 import contextvars
 import logging
 from collections.abc import Mapping
-from types import MappingProxyType
 
 # The structured fields a log line may carry; journald indexes them.
 FIELDS = ("SANDBOX_ID", "NETWORK", "IFNAME", "CNI_COMMAND", "PLUGIN")
 _KNOWN = frozenset(FIELDS)
 
-_current: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar(
-    "cni_agent_log_fields", default=MappingProxyType({}))
+# The fields of the blocks the current task is in, outermost first, each as
+# given: entering a block is one tuple and one ContextVar.set (a plugin run
+# enters one), and merging happens only when a line is logged.
+_current: contextvars.ContextVar[tuple[Mapping[str, str], ...]] = contextvars.ContextVar(
+    "cni_agent_log_fields", default=())
 
 
 def log_fields(**fields: str) -> _Fields:
     """Add `fields` (empty values ignored) to every line logged inside the block."""
-    for key in fields:
-        if key not in _KNOWN:
-            raise ValueError(f"not a journal field of ours: {sorted(set(fields) - _KNOWN)}")
+    if not _KNOWN.issuperset(fields):
+        raise ValueError(f"not a journal field of ours: {sorted(set(fields) - _KNOWN)}")
     return _Fields(fields)
 
 
@@ -40,18 +41,19 @@ class _Fields:
         self._fields = fields
 
     def __enter__(self) -> None:
-        add = {k: v for k, v in self._fields.items() if v}
-        self._token = _current.set({**_current.get(), **add} if add else _current.get())
+        self._token = _current.set((*_current.get(), self._fields))
 
     def __exit__(self, *exc: object) -> None:
         _current.reset(self._token)
 
 
 class ContextFields(logging.Filter):
-    """Copies the current fields onto each record; explicit `extra=` wins."""
+    """Copies the current fields onto each record: an inner block's over an
+    outer one's, empty values ignored; explicit `extra=` wins."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        for key, value in _current.get().items():
-            if not hasattr(record, key):
-                setattr(record, key, value)
+        for fields in reversed(_current.get()):
+            for key, value in fields.items():
+                if value and not hasattr(record, key):
+                    setattr(record, key, value)
         return True

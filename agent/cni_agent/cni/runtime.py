@@ -7,12 +7,11 @@ chain (`ChainDeadline`); STATUS, GC and VERSION time each plugin.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -251,15 +250,13 @@ class CNIRuntime:
 
     # --- ADD ---------------------------------------------------------------
 
-    async def add(self, net: NetworkConfigList, rt: RuntimeConf,
-                  then: Callable[[], None] | None = None) -> dict[str, Any]:
+    async def add(self, net: NetworkConfigList, rt: RuntimeConf) -> dict[str, Any]:
         """Run the chain forward, all of it within `timeouts.add`, and cache the
-        final result.
+        final result (written, not fsynced, as libcni does: a caller that needs
+        it to survive a power loss keeps it too, as the journal does).
 
         Nothing is cached on failure; the caller must DEL (the spec requires it),
         a chain with a deadline of its own.
-        `then` runs in the same worker call, right after the cache entry is
-        written (the journal's commit: one thread hop for both).
         """
         prev: dict[str, Any] | None = None
         inv = self._invocation("ADD", rt)
@@ -293,13 +290,7 @@ class CNIRuntime:
             capability_args=dict(rt.capability_args),
             result=prev,
         )
-
-        def write() -> None:
-            self.cache.write(entry)
-            if then is not None:
-                then()
-
-        await asyncio.to_thread(write)
+        self.cache.write(entry)  # a few syscalls: on the loop
         return prev
 
     # --- DEL ---------------------------------------------------------------
@@ -327,7 +318,7 @@ class CNIRuntime:
         one `timeouts.del` deadline; a timed-out DEL is not tried again.
         """
         if use_cache and prev_result is None:
-            prev_result = await asyncio.to_thread(self._cached_result, net, rt)
+            prev_result = self._cached_result(net, rt)  # one small file: on the loop
         prev = self._prev_result(net, prev_result)
         deadline = ChainDeadline.starting("DEL", net.name, self.timeouts.delete)
         try:
@@ -379,7 +370,7 @@ class CNIRuntime:
         if not version_at_least(net.cni_version, "0.4.0") or net.disable_check:
             return False
         if prev_result is None:
-            prev_result = await asyncio.to_thread(self._cached_result, net, rt)
+            prev_result = self._cached_result(net, rt)  # one small file: on the loop
         prev = self._prev_result(net, prev_result)
         if prev is None:
             raise NoCachedResult(

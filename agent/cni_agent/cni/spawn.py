@@ -2,8 +2,9 @@
 
 asyncio's subprocess layer (Popen, three pipe transports and protocols, stream
 readers, a child watcher) cost ~0.7 ms of the agent's CPU per exec and some 60
-loop iterations; this is a posix_spawn and a pidfd reader: one loop wake-up
-when the plugin exits, then what stdout and stderr hold is read at once.
+loop iterations; this is a posix_spawn and a pidfd (in one epoll per loop,
+`_Exits`): one loop wake-up when the plugin exits, then what stdout and
+stderr hold is read at once.
 The pipes are watched only if the plugin has not exited within `_WATCH_AFTER`
 (it may be blocked writing more than a pipe holds): a real plugin (bridge,
 portmap: 10-100 ms) is not watched, which cost it two readers and a wake-up
@@ -26,8 +27,10 @@ import contextlib
 import ctypes
 import logging
 import os
+import select
 import signal
-from collections.abc import Mapping
+import threading
+from collections.abc import Awaitable, Callable, Mapping
 
 from cni_agent.cni.leftovers import Left, Leftovers
 
@@ -56,11 +59,15 @@ _EXIT_GRACE = 0.5
 # before it, every descriptor of ours >= 3 is made close-on-exec at each spawn.
 _CLOSEFROM = getattr(os, "POSIX_SPAWN_CLOSEFROM", None)
 _CLOSE_RANGE_CLOEXEC = 1 << 2
+_DUP2 = os.POSIX_SPAWN_DUP2
+_CLOSE_REST: tuple[tuple[int, int], ...] = () if _CLOSEFROM is None else ((_CLOSEFROM, 3),)
 
 
 def kill_group(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
+    try:  # not contextlib.suppress: an object and two calls more, on every run
         os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 class _Cloexec:
@@ -73,10 +80,11 @@ class _Cloexec:
     def __init__(self) -> None:
         libc = ctypes.CDLL(None, use_errno=True)
         self._close_range = getattr(libc, "close_range", None)
+        self._last = ctypes.c_uint(0xFFFFFFFF)  # made once: a c_uint per call costs more than the call
 
     def __call__(self) -> None:
         if self._close_range is not None:
-            if self._close_range(3, ctypes.c_uint(0xFFFFFFFF), _CLOSE_RANGE_CLOEXEC) == 0:
+            if self._close_range(3, self._last, _CLOSE_RANGE_CLOEXEC) == 0:
                 return
             self._close_range = None  # an older kernel: EINVAL or ENOSYS, every time
         for name in os.listdir("/proc/self/fd"):
@@ -90,10 +98,55 @@ class _Cloexec:
 _cloexec = _Cloexec() if _CLOSEFROM is None else None
 
 
+class _Exits:
+    """The pidfds of the plugins in flight on one event loop, in an epoll of
+    their own that the loop watches as one reader: a plugin costs one
+    epoll_ctl (EPOLLONESHOT: it reports once, and closing the pidfd drops
+    it), not add_reader's and remove_reader's two and their layers of Python."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._epoll = select.epoll()
+        self._waiting: dict[int, Callable[[], None]] = {}
+        loop.add_reader(self._epoll.fileno(), self._ready)
+
+    def watch(self, pidfd: int, on_exit: Callable[[], None]) -> None:
+        self._epoll.register(pidfd, select.EPOLLIN | select.EPOLLONESHOT)
+        self._waiting[pidfd] = on_exit
+
+    def _ready(self) -> None:
+        for pidfd, _ in self._epoll.poll(0):
+            on_exit = self._waiting.pop(pidfd, None)
+            if on_exit is None:
+                continue
+            try:  # as the loop does for a callback; the others must still run (they report once)
+                on_exit()
+            except Exception as e:
+                self.loop.call_exception_handler({"message": "plugin exit callback failed",
+                                                  "exception": e})
+
+
+_this_thread = threading.local()  # its loop's _Exits: a loop runs in one thread
+
+
+def _exits(loop: asyncio.AbstractEventLoop) -> _Exits:
+    exits: _Exits | None = getattr(_this_thread, "exits", None)
+    if exits is None or exits.loop is not loop:
+        exits = _this_thread.exits = _Exits(loop)
+    return exits
+
+
+def _forked() -> None:
+    _this_thread.__dict__.pop("exits", None)  # an epoll is shared across fork: the child's own
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 class Child:
     """A spawned plugin: stdin fed, stdout kept up to a cap, stderr up to another."""
 
-    def __init__(self, binary: str, env: Mapping[str, str], stdin: bytes,
+    def __init__(self, binary: str, env: Mapping[bytes, bytes], stdin: bytes,
                  max_stdout: int, max_stderr: int, *, leftovers: Leftovers,
                  token: str, label: str = "", timeout: float | None = None) -> None:
         """Spawn `binary` in its own session (so its own process group), in the
@@ -102,65 +155,75 @@ class Child:
         `timeout`: seconds from now after which `finished` returns with
         `timed_out` set (one timer for this and the pipe watch: the caller
         needs no asyncio.timeout of its own)."""
-        self._loop = asyncio.get_running_loop()
+        self._loop = loop = asyncio.get_running_loop()
         self._leftovers, self._token, self._label = leftovers, token, label
         self.left: list[Left] = []  # what it left running (killed), once reaped
-        pipes: list[tuple[int, int]] = []
+        self._stdin_fd = -1
+        self._writing = False  # a writer callback is registered for stdin
+        fds: list[int] = []
         try:
             for _ in range(3):
-                pipes.append(os.pipe2(os.O_CLOEXEC))
-            (in_r, in_w), (out_r, out_w), (err_r, err_w) = pipes
-            ours, theirs = (in_w, out_r, err_r), (in_r, out_w, err_w)
-            for fd in ours:
-                os.set_blocking(fd, False)  # ours only: the plugin's ends stay blocking
-            # Fed before the plugin exists: a config fits the pipe (64 KiB), so
-            # usually no writer callback, and no wake-up of a plugin blocked in read().
-            self._pending = memoryview(stdin)
-            self._stdin_fd = in_w
-            self._fill()
-            actions: list[tuple[int, ...]] = [
-                (os.POSIX_SPAWN_DUP2, fd, i) for i, fd in enumerate(theirs)]
-            if _CLOSEFROM is not None:
-                actions.append((_CLOSEFROM, 3))
-            elif _cloexec is not None:
+                fds += os.pipe2(os.O_CLOEXEC)
+            in_r, in_w, out_r, out_w, err_r, err_w = fds
+            os.set_blocking(out_r, False)  # ours only: the plugin's ends stay blocking
+            os.set_blocking(err_r, False)
+            # Fed before the plugin exists, so no wake-up of a plugin blocked in
+            # read(). What fits an empty pipe of any size (a page at least, even
+            # shrunk: see _WATCH_AFTER) is written whole on the blocking end;
+            # more goes through a writer callback.
+            if len(stdin) <= select.PIPE_BUF:
+                if stdin:
+                    os.write(in_w, stdin)  # atomic: all of it, at once
+            else:
+                os.set_blocking(in_w, False)
+                self._pending = memoryview(stdin)
+                self._stdin_fd = in_w
+                self._fill()
+            if _cloexec is not None:
                 _cloexec()
             self.pid = os.posix_spawn(binary, [binary], env, setsid=True,
-                                      setsigdef=_DEFAULT_SIGNALS, file_actions=actions)
+                                      setsigdef=_DEFAULT_SIGNALS,
+                                      file_actions=((_DUP2, in_r, 0), (_DUP2, out_w, 1),
+                                                    (_DUP2, err_w, 2), *_CLOSE_REST))
         except BaseException:
-            for fd in (fd for pipe in pipes for fd in pipe):
+            for fd in fds:
                 os.close(fd)
             raise
-        for fd in theirs:
-            os.close(fd)
+        os.close(in_r)
+        os.close(out_w)
+        os.close(err_w)
+        if self._stdin_fd < 0:
+            os.close(in_w)  # all written: the plugin reads its end to EOF
         try:
             self._pidfd = os.pidfd_open(self.pid)
         except BaseException:
             kill_group(self.pid)
             os.waitpid(self.pid, 0)
-            for fd in ours:
-                os.close(fd)
+            for fd in (self._stdin_fd, out_r, err_r):
+                if fd >= 0:
+                    os.close(fd)
             raise
         leftovers.started(self.pid, token)
         self._out_fd, self._err_fd = out_r, err_r
-        self._caps = {self._out_fd: max_stdout, self._err_fd: max_stderr}
-        self._bufs = {self._out_fd: bytearray(), self._err_fd: bytearray()}
+        self._caps = {out_r: max_stdout, err_r: max_stderr}
+        self._bufs = {out_r: bytearray(), err_r: bytearray()}
         self.too_big = False  # stdout went over its cap (reading stopped there)
         self.timed_out = False  # `timeout` ran out before it exited
         self._exited = False
         self._abandoned = False  # answered before it exited: `_on_exit` reaps it
         self._exit_waiter: asyncio.Future[None] | None = None
         self._watched: set[int] = set()
-        self._writing = False  # a writer callback is registered for stdin
-        self._done: asyncio.Future[None] = self._loop.create_future()
-        self._loop.add_reader(self._pidfd, self._on_exit)
-        now = self._loop.time()
+        self._done: asyncio.Future[None] = loop.create_future()
+        _exits(loop).watch(self._pidfd, self._on_exit)
+        now = loop.time()
         watch_at = now + _WATCH_AFTER
         self._deadline = None if timeout is None else now + timeout
         self._timer: asyncio.TimerHandle | None = (
-            self._loop.call_at(self._deadline, self._expire)
+            loop.call_at(self._deadline, self._expire)
             if self._deadline is not None and self._deadline <= watch_at
-            else self._loop.call_at(watch_at, self._watch_pipes))
-        self._write()
+            else loop.call_at(watch_at, self._watch_pipes))
+        if self._stdin_fd >= 0:
+            self._write()
 
     @property
     def stdout(self) -> bytes:
@@ -222,32 +285,35 @@ class Child:
         self._watched.add(fd)
 
     def _drain(self, fd: int) -> None:
-        """Read what `fd` holds now (the plugin has exited), then stop reading it."""
+        """Read what `fd` holds now (the plugin has exited), then stop reading it.
+        A read returns all the pipe holds up to its size: a short one emptied it,
+        so the read that would return EOF is spared."""
         for _ in range(_DRAIN_READS):
-            if fd not in self._caps or not self._read(fd):
+            if fd not in self._caps or self._read(fd) < _CHUNK:
                 break
         self._stop_reading(fd)
 
-    def _read(self, fd: int) -> bool:
-        """One read; False if there was nothing to read yet."""
+    def _read(self, fd: int) -> int:
+        """One read: how many bytes it returned (0 at EOF), -1 if there was
+        nothing to read yet."""
         try:
             data = os.read(fd, _CHUNK)
         except BlockingIOError:
-            return False
+            return -1
         except OSError:
             data = b""
         if not data:
             self._stop_reading(fd)
-            return True
+            return 0
         buf, cap = self._bufs[fd], self._caps[fd]
         if len(buf) + len(data) <= cap:
             buf += data
-            return True
+            return len(data)
         buf += data[: cap - len(buf)]  # stderr: the rest is noise, read and dropped
         if fd == self._out_fd:
             self.too_big = True  # an error: no need to read on, the group is killed
             self._stop_reading(fd)
-        return True
+        return len(data)
 
     def _stop_reading(self, fd: int) -> None:
         if fd in self._caps:
@@ -258,7 +324,6 @@ class Child:
             self._check_done()
 
     def _on_exit(self) -> None:
-        self._loop.remove_reader(self._pidfd)
         self._exited = True
         self._stop_timer()
         for fd in list(self._caps):
@@ -276,13 +341,14 @@ class Child:
 
     # --- the caller's side ----------------------------------------------------------
 
-    async def finished(self) -> None:
+    def finished(self) -> Awaitable[None]:
         """Until the process exited (what its pipes held is read), stdout went
         over its cap, or its `timeout` ran out.
 
-        A cancellation cancels the future awaited here; `reap` waits on one of its own.
+        The future itself, no coroutine around it: a cancellation cancels it;
+        `reap` waits on one of its own.
         """
-        await self._done
+        return self._done
 
     def reap_now(self) -> int | None:
         """`reap` when the plugin has exited (the usual case), else None: no task,

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from cni_agent.api import AgentError, ErrorKind
 from cni_agent.cni.errors import InvalidArgument
-from cni_agent.node.netns import NetnsUnknown, Pinned, pin, pin_fd
+from cni_agent.node.netns import NetnsUnknown, Pinned, in_kernel, pin, pin_fd
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -161,25 +161,60 @@ class PathWorker:
         InvalidArgument(field) when it is none (or the agent's own), PathTimeout
         when it does not answer, PathsBusy when the path threads are all stuck.
         """
-        return self._held(lambda: pin(path, field), field, path)
+        return self._held(lambda: pin(path, field), field, path,
+                          lambda opath: pin(path, field, opath))
 
-    def pinned_fd(self, fd: int, path: str,
-                  vet: Callable[[tuple[int, ...] | None], None] | None = None
-                  ) -> AbstractAsyncContextManager[Pinned]:
+    @asynccontextmanager
+    async def pinned_fd(self, fd: int, path: str,
+                        vet: Callable[[tuple[int, ...] | None], None] | None = None
+                        ) -> AsyncIterator[Pinned]:
         """A caller's own descriptor of its namespace, verified and pinned (a
         duplicate: the caller's stays the caller's), recorded as `path`;
-        `vet` judges its user-namespace owners first (`netns.pin_fd`)."""
-        return self._held(lambda: pin_fd(fd, path, vet=vet), "netns_fd", path)
+        `vet` judges its user-namespace owners first (`netns.pin_fd`). On the
+        loop: a descriptor cannot hang the way a path can (no thread hop)."""
+        ns = pin_fd(fd, path, vet=vet)
+        try:
+            yield ns
+        finally:
+            ns.close()
+
+    def names(self, path: str, ns: Pinned) -> Callable[[], None]:
+        """A check, for a path thread (`run`), that `path` names the pinned
+        namespace: InvalidArgument(netns) when it does not, or cannot be
+        opened, in the same words either way (a caller must not learn through
+        the agent what it cannot open itself)."""
+        def check() -> None:
+            try:
+                named = _pin_or_none(path, "netns")
+            except InvalidArgument:
+                named = None
+            try:
+                same = named is not None and named.identity.same(ns.identity)
+            finally:
+                _close(named)
+            if not same:
+                raise InvalidArgument("netns", "does not name the namespace of netns_fd")
+
+        return check
 
     def pinned_if_netns(self, path: str, field: str = "netns"
                         ) -> AbstractAsyncContextManager[Pinned | None]:
         """As `pinned`, but None where `pinned` refuses the path; a path that
         does not answer still raises (whether it is a namespace is unknown)."""
-        return self._held(lambda: _pin_or_none(path, field), field, path)
+        return self._held(lambda: _pin_or_none(path, field), field, path,
+                          lambda opath: _pin_or_none(path, field, opath))
 
     @asynccontextmanager
-    async def _held(self, open_: Callable[[], _P], field: str, path: str) -> AsyncIterator[_P]:
-        ns = await self.run(open_, field, path, discard=_close)
+    async def _held(self, open_: Callable[[], _P], field: str, path: str,
+                    quick: Callable[[int], _P]) -> AsyncIterator[_P]:
+        """`open_()` on a path thread; or, where resolving the path can only
+        wait on the kernel (`netns.in_kernel`: where runtimes put namespaces),
+        `quick(opath)` right here, on the loop: no thread hop."""
+        opath = in_kernel(path)
+        if opath != -1:  # a namespace file, or GONE: answered without a thread
+            ns = quick(opath)
+        else:
+            ns = await self.run(open_, field, path, discard=_close)
         try:
             yield ns
         finally:
@@ -203,11 +238,11 @@ def _copy_result(cfut: Future[_T], afut: asyncio.Future[_T]) -> None:
         afut.set_result(cfut.result())
 
 
-def _pin_or_none(path: str, field: str) -> Pinned | None:
+def _pin_or_none(path: str, field: str, opath: int = -1) -> Pinned | None:
     """None only where the path names no network namespace (or the agent's own);
     any other failure (EACCES, EMFILE, ENOMEM) is NetnsUnknown, not "gone"."""
     try:
-        return pin(path, field)
+        return pin(path, field, opath)
     except NetnsUnknown:
         raise
     except InvalidArgument:

@@ -25,6 +25,7 @@ import fcntl
 import functools
 import logging
 import os
+import re
 import socket
 import stat
 import struct
@@ -111,6 +112,19 @@ class NetnsError(Exception):
 
 class NetnsUnknown(InvalidArgument):
     """Whether a path names a network namespace cannot be told now: never "gone"."""
+
+
+@functools.cache
+def _own_netns() -> tuple[int, int]:
+    """The agent's own network namespace, read once: the process never leaves
+    it (a thread inside another one for a moment, the loop's thread included,
+    always comes back), and /proc/self/ns/net read *while* the main thread is
+    inside a pod's would name the pod's."""
+    st = os.stat("/proc/self/ns/net")
+    return st.st_dev, st.st_ino
+
+
+_own_netns()  # now, at import: before any thread could be inside another namespace
 
 
 def _boot_id() -> str:
@@ -234,38 +248,30 @@ def _kind(mode: int) -> str | None:
     return "is not a regular file, so not a network namespace"
 
 
-def _open_netns(path: str) -> int:
+def _open_netns(path: str, opath: int = -1) -> int:
     """Open `path` iff it is a network namespace; never creates or blocks.
 
     The path is resolved once (symlinks followed, as for /proc/PID/ns/net) by
-    an O_PATH open, which has no side effects on FIFOs or devices; the real fd
-    is reopened from that one, so both name the same file whatever happens to
-    the path meanwhile. Returns an O_CLOEXEC fd owned by the caller; raises
-    NetnsError otherwise.
+    an O_PATH open, which has no side effects on FIFOs or devices (`opath`:
+    one `in_kernel` made, then owned here); the real fd is reopened from that
+    one, so both name the same file whatever happens to the path meanwhile.
+    Returns an O_CLOEXEC fd owned by the caller; raises NetnsError otherwise.
     """
-    if not path:
-        raise NetnsError(path, "is empty")
-    if "\0" in path:
-        raise NetnsError(path, "contains a NUL byte")
-    if len(os.fsencode(path)) > _PATH_MAX:
-        raise NetnsError(path, f"is longer than {_PATH_MAX} bytes")
-    if not os.path.isabs(path):
-        raise NetnsError(path, "is not an absolute path")
+    if opath == GONE:
+        raise NetnsError(path, "does not exist")
+    verified = opath >= 0  # `in_kernel`'s: a file on nsfs, by statx
+    if not verified:
+        opath = _open_path(path)
     try:
-        opath = os.open(path, os.O_PATH | os.O_CLOEXEC)
-    except (FileNotFoundError, NotADirectoryError):
-        raise NetnsError(path, "does not exist") from None
-    except OSError as e:
-        raise NetnsError(path, f"cannot open: {e.strerror}", gone=False) from None
-    try:
-        try:
-            mode, fs_type = os.fstat(opath).st_mode, _fs_type(opath)
-        except OSError as e:
-            raise NetnsError(path, f"cannot stat: {e.strerror}", gone=False) from None
-        if (why := _kind(mode)) is not None:
-            raise NetnsError(path, why)
-        if fs_type != NSFS_MAGIC:
-            raise NetnsError(path, "is a regular file, not a namespace")
+        if not verified:
+            try:
+                mode, fs_type = os.fstat(opath).st_mode, _fs_type(opath)
+            except OSError as e:
+                raise NetnsError(path, f"cannot stat: {e.strerror}", gone=False) from None
+            if (why := _kind(mode)) is not None:
+                raise NetnsError(path, why)
+            if fs_type != NSFS_MAGIC:
+                raise NetnsError(path, "is a regular file, not a namespace")
         flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY  # no O_CREAT
         try:
             fd = os.open(f"/proc/self/fd/{opath}", flags)
@@ -285,6 +291,94 @@ def _open_netns(path: str) -> int:
     except BaseException:
         os.close(fd)
         raise
+
+
+def _open_path(path: str) -> int:
+    if not path:
+        raise NetnsError(path, "is empty")
+    if "\0" in path:
+        raise NetnsError(path, "contains a NUL byte")
+    if len(os.fsencode(path)) > _PATH_MAX:
+        raise NetnsError(path, f"is longer than {_PATH_MAX} bytes")
+    if not os.path.isabs(path):
+        raise NetnsError(path, "is not an absolute path")
+    try:
+        return os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        raise NetnsError(path, "does not exist") from None
+    except OSError as e:
+        raise NetnsError(path, f"cannot open: {e.strerror}", gone=False) from None
+
+
+# Where runtimes put their namespaces: `ip netns`, CRI-O, containerd and podman
+# under /run/netns (or /var/run/netns, /var/run being /run), and /proc/PID/ns/net.
+_RUN_NETNS = re.compile(r"/(?:var/)?run/netns/([^/]+)")
+_PROC_NETNS = re.compile(r"/proc/[1-9][0-9]*(?:/task/[1-9][0-9]*)?/ns/net")
+GONE = -2  # `in_kernel`: the path names nothing
+_SYS_OPENAT2 = 437  # the same number on every architecture (a syscall added in 5.6)
+_RESOLVE_NO_SYMLINKS = 0x04
+_AT_EMPTY_PATH = 0x1000
+_AT_STATX_DONT_SYNC = 0x4000
+_STATX_TYPE = 0x1
+_STATX_MODE = 28  # offset of stx_mode (u16) in struct statx
+_STATX_DEV = 136  # offset of stx_dev_major, stx_dev_minor (u32 each)
+_OPEN_HOW = struct.Struct("=QQQ")
+
+
+def in_kernel(path: str) -> int:
+    """An O_PATH fd of `path`, opened without a thread, when nothing resolving
+    it can wait on a filesystem outside the kernel; -1 when that cannot be told
+    (a path thread opens it). So for the places runtimes put namespaces:
+    /run/netns/NAME resolved with no symlink followed (tmpfs, then the nsfs
+    bind mount) and /proc/PID/ns/net (procfs, then nsfs); the fd must then be
+    nsfs by what statx says without asking the filesystem (AT_STATX_DONT_SYNC:
+    a FUSE or NFS mount there is never asked), else it goes to a thread too.
+    GONE when the path names nothing (for `pin`'s `opath`)."""
+    if (m := _RUN_NETNS.fullmatch(path)) is not None and m.group(1) not in (".", "..") and (
+            not path.startswith("/var/") or _var_run_is_run()):
+        how = _OPEN_HOW.pack(os.O_PATH | os.O_CLOEXEC, 0, _RESOLVE_NO_SYMLINKS)
+        fd = int(_libc.syscall(_SYS_OPENAT2, -100, f"/run/netns/{m.group(1)}".encode(),
+                               how, _OPEN_HOW.size))  # -100: AT_FDCWD
+        if fd < 0:
+            err = ctypes.get_errno()
+            if err in (errno.ENOENT, errno.ENOTDIR):
+                return GONE
+            return -1  # ELOOP (a symlink on the way), ENOSYS (< 5.6), ...: a thread
+    elif _PROC_NETNS.fullmatch(path):
+        try:
+            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
+            return GONE
+        except OSError:
+            return -1
+    else:
+        return -1
+    buf = ctypes.create_string_buffer(256)  # struct statx
+    if _libc.statx(fd, b"", _AT_EMPTY_PATH | _AT_STATX_DONT_SYNC, _STATX_TYPE, buf) != 0 or \
+            not stat.S_ISREG(struct.unpack_from("=H", buf, _STATX_MODE)[0]) or \
+            struct.unpack_from("=II", buf, _STATX_DEV) != _nsfs_dev():
+        os.close(fd)
+        return -1
+    return fd
+
+
+@functools.cache
+def _var_run_is_run() -> bool:
+    try:
+        return os.readlink("/var/run") in ("/run", "../run")
+    except OSError:
+        return False
+
+
+@functools.cache
+def _nsfs_dev() -> tuple[int, int]:
+    """nsfs's device (every namespace file is on its one superblock), as statx
+    gives it: (major, minor)."""
+    st = os.stat("/proc/self/ns/net")
+    return os.major(st.st_dev), os.minor(st.st_dev)
+
+
+_nsfs_dev()  # at import, with `_own_netns`
 
 
 def _show(path: str) -> str:
@@ -351,12 +445,16 @@ class Pinned:
     what plugins open. Close it when the request ends.
     """
 
-    __slots__ = ("_fd", "identity", "path")
+    __slots__ = ("_fd", "identity", "path", "unverified")
 
     def __init__(self, path: str, fd: int, identity: NetnsId) -> None:
         self.path = path
         self.identity = identity
         self._fd = fd
+        # A check of `path` still to run before anything is recorded under it
+        # (a caller's descriptor, named by a path only a thread may open):
+        # blocking, it raises InvalidArgument when the path names another.
+        self.unverified: Callable[[], None] | None = None
 
     @property
     def fd(self) -> int:
@@ -382,13 +480,14 @@ class Pinned:
         self.close()
 
 
-def pin(path: str, field: str = "netns") -> Pinned:
+def pin(path: str, field: str = "netns", opath: int = -1) -> Pinned:
     """Open and verify the netns at `path` once, or InvalidArgument(field, reason).
 
-    Blocking (it resolves a caller's path): run it off the event loop.
+    Blocking (it resolves a caller's path): run it off the event loop, unless
+    `opath` is what `in_kernel` opened of it (then owned here).
     """
     try:
-        fd = _open_netns(path)
+        fd = _open_netns(path, opath)
     except NetnsError as e:
         raise (InvalidArgument if e.gone else NetnsUnknown)(field, f"{_show(path)} {e.reason}") from None
     try:
@@ -396,10 +495,8 @@ def pin(path: str, field: str = "netns") -> Pinned:
             ident = fd_identity(fd)
         except OSError as e:
             raise NetnsUnknown(field, f"{_show(path)}: cannot identify: {e.strerror}") from None
-        # /proc/self is the main thread, which never leaves the agent's namespace;
-        # two live namespaces never share an inode, and we hold this one open.
-        own = os.stat("/proc/self/ns/net")
-        if (ident.dev, ident.ino) == (own.st_dev, own.st_ino):
+        # Two live namespaces never share an inode, and we hold this one open.
+        if (ident.dev, ident.ino) == _own_netns():
             raise InvalidArgument(
                 field, f"{_show(path)}: refusing to configure the agent's own network namespace"
             )
@@ -407,6 +504,27 @@ def pin(path: str, field: str = "netns") -> Pinned:
     except BaseException:
         os.close(fd)
         raise
+
+
+_NSFS_NAME = re.compile(r"[a-z_]+:\[\d+\]")
+
+
+def _on_nsfs(fd: int) -> bool:
+    """Whether `fd` is a namespace file, from /proc alone: its name there is
+    "<type>:[<inode>]", or (opened through a bind mount, as `ip netns` makes
+    them) the mount it is on is nsfs."""
+    if _NSFS_NAME.fullmatch(os.readlink(f"/proc/self/fd/{fd}")):
+        return True
+    with open(f"/proc/self/fdinfo/{fd}", "rb") as f:
+        mnt = next((line.split()[1] for line in f if line.startswith(b"mnt_id:")), None)
+    if mnt is None:
+        return False
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            fields = line.split()
+            if fields and fields[0] == mnt and b"-" in fields:
+                return fields[fields.index(b"-") + 1:][:1] == [b"nsfs"]
+    return False
 
 
 def pin_fd(fd: int, path: str, field: str = "netns_fd",
@@ -417,13 +535,19 @@ def pin_fd(fd: int, path: str, field: str = "netns_fd",
 
     `vet` is shown the namespace's user-namespace owners (`userns_owners`)
     before anything else is done with it, and raises to refuse it.
-    Blocking (the identity may setns() this thread): run it off the event loop.
+    Never blocks (a descriptor, not a path: nothing it touches can hang), so
+    it runs on the loop; the identity may setns() this thread for a moment.
     """
     try:
         own_fd = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3)
     except (OSError, TypeError, ValueError):
         raise InvalidArgument(field, "is not an open file descriptor") from None
     try:
+        # First by what /proc says of it, which never reaches the file's
+        # filesystem (a file on a hung FUSE mount would hang an fstat). Only a
+        # namespace file is looked at further, and nsfs answers at once.
+        if not _on_nsfs(own_fd):
+            raise InvalidArgument(field, "is not a network namespace")
         if _kind(os.fstat(own_fd).st_mode) is not None or _fs_type(own_fd) != NSFS_MAGIC:
             raise InvalidArgument(field, "is not a network namespace")
         try:
@@ -436,8 +560,7 @@ def pin_fd(fd: int, path: str, field: str = "netns_fd",
         if vet is not None:
             vet(userns_owners(own_fd))
         ident = fd_identity(own_fd)
-        own = os.stat("/proc/self/ns/net")
-        if (ident.dev, ident.ino) == (own.st_dev, own.st_ino):
+        if (ident.dev, ident.ino) == _own_netns():
             raise InvalidArgument(field, "refusing to configure the agent's own network namespace")
         return Pinned(path, own_fd, ident)
     except BaseException:

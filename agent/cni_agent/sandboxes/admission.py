@@ -9,7 +9,6 @@ two concurrent calls can never both pass. Root's calls skip all of it.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -17,7 +16,8 @@ from typing import Any
 
 from cni_agent.cni.errors import InvalidArgument
 from cni_agent.sandboxes.policy import Caller, Policy, denied, host_ports
-from cni_agent.sandboxes.records import SandboxRecord, SandboxStore
+from cni_agent.sandboxes.records import SandboxRecord
+from cni_agent.sandboxes.store import SandboxStore
 
 
 @dataclass(frozen=True)
@@ -58,13 +58,12 @@ class Admission:
     async def _check(self, caller: Caller, policy: Policy, sandbox_id: str, claim: _Claim) -> None:
         prefix = Policy.own_prefix(caller)
         if claim.new_sandbox:
-            held = set(await asyncio.to_thread(self.store.ids, prefix))
+            held = set(self.store.ids(prefix))
             held |= {sid for sid, c in self._claims.items() if c.uid == caller.uid and c.new_sandbox}
             held.discard(sandbox_id)
             policy.quota(caller, len(held))
         if claim.ports:
-            records, _ = await asyncio.to_thread(self.store.all)
-            for rec in records:
+            for rec in self.store.records():
                 if rec.sandbox_id != sandbox_id and (taken := claim.ports & _mapped(rec)):
                     raise _port_taken(min(taken))
 

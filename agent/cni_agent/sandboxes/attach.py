@@ -161,6 +161,7 @@ class Attachments:
                                         new_sandbox=new):
             # A new sandbox: lo first, before an intent exists (nothing to undo).
             [result] = await m.add_new(rec, [att], [net], ns, loopback=new, failed=failed)
+        log.info("sandbox %s: %s/%s attached", req.sandbox_id, att.network, att.ifname)
         return attachment_document(req.sandbox_id, att.network, att.ifname, result)
 
     @staticmethod
@@ -210,7 +211,8 @@ class Attachments:
                                     sandbox_id, _through(network, origin),
                                     _through(recorded.network, recorded.origin))
                         return
-                    async with unless_hung(m.journal.live_netns(rec, entries)) as ns:
+                    async with unless_hung(m.journal.live_netns(rec, entries,
+                                                                given=given)) as ns:
                         await self._remove(rec, ifname, ns, entries)
                     return
                 # No record of it: a cache entry of another tool is removed like

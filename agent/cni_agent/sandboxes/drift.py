@@ -118,10 +118,22 @@ class DriftPasses:
             if due > now:
                 await asyncio.sleep(due - now)
                 continue
-            batch, self._pending = list(self._pending), {}
+            # A sandbox gone, or whose CHECK a runtime ran meanwhile (CRI-O
+            # CHECKs every pod right after its ADD: that was the baseline),
+            # needs none: decided from memory, without its lock or namespace.
+            batch = [sid for sid in self._pending if self._unchecked(sid)]
+            self._pending = {}
             gate = asyncio.Semaphore(self.concurrency)
 
             await asyncio.gather(*(self._gated_baseline(sid, gate) for sid in batch))
+
+    def _unchecked(self, sandbox_id: str) -> bool:
+        try:
+            rec = self.manager.journal.store.read(sandbox_id)
+        except CNIError:
+            return True  # damaged: the pass sees to it
+        return rec is not None and any(a.check is None for a in rec.attachments
+                                       if a.phase is Phase.READY and a.lost is None)
 
     async def _gated_baseline(self, sandbox_id: str, gate: asyncio.Semaphore) -> None:
         async with gate:
@@ -161,7 +173,7 @@ class DriftPasses:
         m = self.manager
         await m.reaper.recovered.wait()
         if records is None:
-            records = (await asyncio.to_thread(m.journal.store.all))[0]
+            records = m.journal.store.all()[0]
         if sandbox_ids is None:
             m.checks.retain({r.sandbox_id for r in records})
         wanted = None if sandbox_ids is None else set(sandbox_ids)
@@ -192,7 +204,7 @@ class DriftPasses:
         m = self.manager
         asked = {m.own_id(caller, sid, field="sandbox_ids") for sid in sandbox_ids}
         await m.reaper.recovered.wait()
-        records, _ = await asyncio.to_thread(m.journal.store.all, Policy.own_prefix(caller))
+        records, _ = m.journal.store.all(Policy.own_prefix(caller))
         mine = {r.sandbox_id for r in records if Policy.owns(caller, r.owner)}
         for sid in sorted(asked - mine):
             if not caller.root:
@@ -245,7 +257,7 @@ class DriftPasses:
     async def _lost_schedule(self) -> tuple[list[str], float | None]:
         """The sandboxes with a lost attachment due now, and when the next one
         not due yet is (None: none)."""
-        records, _ = await asyncio.to_thread(self.manager.journal.store.all)
+        records = self.manager.journal.store.records()
         now = time.time()
         due: set[str] = set()
         later: list[float] = []

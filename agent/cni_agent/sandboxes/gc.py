@@ -62,7 +62,6 @@ class _Snapshot:
     records: dict[str, SandboxRecord]
     entries: dict[str, list[CachedAttachment]]  # by sandbox
     unreadable: list[str]
-    unavailable: list[str] = field(default_factory=list)  # records not readable now: left alone
 
 
 def gc_verb_allowed(declared: Collection[str]) -> Callable[[str], bool]:
@@ -111,7 +110,7 @@ class Reaper:
         """Start-up: finish or undo what a killed agent left half-done."""
         report = GCReport()
         try:
-            snap = await asyncio.to_thread(self._snapshot)
+            snap = self._snapshot()
             for sid in sorted({*snap.unreadable, *(s for s, r in snap.records.items()
                                                     if r.phase is not Phase.READY)}):
                 # A damaged record is set aside (under the lock) and its sandbox
@@ -136,6 +135,7 @@ class Reaper:
             await asyncio.sleep(self.interval)
             try:
                 self._on_pass(await self.collect(verbs=False))
+                await self.journal.restore_cache()
             except Exception:  # a pass that broke must not end all later ones
                 log.exception("reaping pass failed; the next one runs in %gs", self.interval)
 
@@ -152,7 +152,7 @@ class Reaper:
         since = self.journal.generation
         await self.recovered.wait()
         report = GCReport()
-        snap = await asyncio.to_thread(self._snapshot, Policy.own_prefix(caller))
+        snap = self._snapshot(Policy.own_prefix(caller))
         candidates = await self._candidates(snap, valid_ids, report)
         for sid in candidates:
             await self._reap(sid, valid_ids, report, wait=0, since=since, caller=caller)
@@ -173,8 +173,8 @@ class Reaper:
         since = self.journal.generation
         await self.recovered.wait()
         report = GCReport()
-        records, _ = await asyncio.to_thread(self.journal.store.all)
-        for rec in sorted(records, key=lambda r: r.sandbox_id):
+        records = sorted(self.journal.store.records(), key=lambda r: r.sandbox_id)
+        for rec in records:
             if _released(rec, origin, valid):
                 await self._release(rec.sandbox_id, origin, valid, report, since)
         if report.deleted:
@@ -222,27 +222,25 @@ class Reaper:
     # --- what to look at ---------------------------------------------------------
 
     def _snapshot(self, prefix: str = "") -> _Snapshot:
-        """The records (of the ids beginning `prefix`) and cache entries (all of
-        them, or only those records' when a prefix narrows it to one owner)."""
+        """The records (of the ids beginning `prefix`) and cache entries: the
+        records' own, and (without a prefix narrowing it to one owner) those
+        of sandboxes no record names — the cache's index says which files, so
+        only those are read. From memory, on the loop."""
         listing = self.journal.store.scan(prefix)
         entries: dict[str, list[CachedAttachment]] = {}
-        if prefix:
-            for r in listing.records:
-                entries[r.sandbox_id] = self.journal.recorded_entries(r)
-        else:
-            for e in self.journal.runtime.cache.all():
-                entries.setdefault(e.container_id, []).append(e)
-        return _Snapshot({r.sandbox_id: r for r in listing.records}, entries, listing.damaged,
-                         listing.unavailable)
+        for r in listing.records:
+            entries[r.sandbox_id] = self.journal.recorded_entries(r)
+        if not prefix:
+            recorded = {r.sandbox_id for r in listing.records}
+            for cid in sorted({cid for _, cid, _ in self.journal.runtime.cache.keys()} - recorded):
+                entries[cid] = self.journal.runtime.cache.for_container(cid)
+        return _Snapshot({r.sandbox_id: r for r in listing.records}, entries, listing.damaged)
 
     async def _candidates(self, snap: _Snapshot, valid_ids: Collection[str] | None,
                           report: GCReport) -> list[str]:
         """Sandboxes that may need work (decided again under their lock)."""
         out = []
         for sid in sorted(set(snap.records) | set(snap.entries) | set(snap.unreadable)):
-            if sid in snap.unavailable:  # its record could not be read now: next pass
-                report.errors.append(f"sandbox {sid}: not looked at: its record cannot be read now")
-                continue
             rec = snap.records.get(sid)
             entries = {(e.network, e.ifname): e for e in snap.entries.get(sid, [])}
             try:
@@ -353,9 +351,12 @@ class Reaper:
                 continue
             try:
                 async with self.netlocks.exclusive(net.name, self._verb_wait):
-                    # No chain of this network runs now: the cache is exactly what is attached.
-                    entries = await asyncio.to_thread(self.journal.runtime.cache.for_network, net.name)
-                    valid = [(e.container_id, e.ifname) for e in entries]
+                    # No chain of this network runs now: nothing is half-attached.
+                    # What the records hold (the truth), and other tools' entries.
+                    valid = {(r.sandbox_id, a.ifname) for r in self.journal.store.records()
+                             for a in r.attachments if a.network == net.name}
+                    valid.update((cid, ifname) for network, cid, ifname
+                                 in self.journal.runtime.cache.keys() if network == net.name)
                     report.errors.extend(f"network {net.name}: {e}"
                                          for e in await self.journal.runtime.gc(net, valid))
             except LockTimeout:

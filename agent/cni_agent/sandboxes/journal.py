@@ -1,11 +1,18 @@
 """The journal: one owner for the lifecycle of every attachment.
 
-begin-add (the intent, durable, before any plugin runs) → added (the ADD
-chain ran and its result is cached) → ready → begin-delete → gone, and undo
-(DEL of whatever was begun). Setup, Teardown, start-up recovery and GC all
-go through here, so the record, the cache and the plugins can only change
-together, in this order. Every ADD and DEL chain holds its network
-(`NetworkLocks.use`), which the GC verb of that network takes alone.
+begin-add (the intent, committed: durable before any plugin runs) → added
+(the ADD chain ran; its result in the record and the cache) → ready →
+begin-delete → gone, and undo (DEL of whatever was begun). Setup, Teardown,
+start-up recovery and GC all go through here, so the record, the cache and
+the plugins can only change together, in this order. Every ADD and DEL chain
+holds its network (`NetworkLocks.use`), which the GC verb of that network
+takes alone.
+
+The records (`store.SandboxStore`) are the source of truth, the libcni cache
+a view of them: written without fsync, read by nobody but other tools and
+people, and rewritten from the records at start-up and by reaping passes.
+Nothing here leaves the event loop but the intent's commit and the opening
+of a path.
 
 Callers hold the sandbox's lock and decide *what* to do; the journal does it
 completely and reports what it could not.
@@ -13,10 +20,9 @@ completely and reports what it could not.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping, Sequence
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
@@ -38,7 +44,10 @@ from cni_agent.node.netns import (
     loopback_down,
     prepare,
 )
-from cni_agent.sandboxes.records import Attachment, DamagedRecord, Phase, SandboxRecord, SandboxStore
+from cni_agent.sandboxes import cacheview
+from cni_agent.sandboxes.cacheview import entry_of
+from cni_agent.sandboxes.records import Attachment, DamagedRecord, Phase, SandboxRecord
+from cni_agent.sandboxes.store import SandboxStore
 
 log = logging.getLogger(__name__)
 
@@ -185,51 +194,51 @@ class Journal:
 
     # --- reading ----------------------------------------------------------------
 
+    def open(self) -> list[str]:
+        """Start-up, blocking: replay the records, then make the cache agree
+        with them (`cacheview.agree`). What was found wrong, for the log."""
+        notes = self.store.open()
+        return notes + cacheview.agree(self.store, self.runtime.cache)
+
+    async def restore_cache(self) -> list[str]:
+        """A reaping pass's look at the cache (`cacheview.restore`)."""
+        return await cacheview.restore(self.store, self.runtime.cache)
+
     async def view(self, sandbox_id: str, repair: bool = True
                    ) -> tuple[SandboxRecord | None, dict[tuple[str, str], CachedAttachment]]:
-        """The record and the cache entries of a sandbox.
-
-        The record says where to look, and those few small files are read on
-        the loop (no thread hop); without one, the cache dir is scanned like
-        libcni does, off the loop, as the scan grows with the node. A damaged
-        record counts as none: with `repair` (the caller holds the sandbox's
-        lock) it is moved aside, so it never blocks the sandbox again.
+        """The record and the cache entries of a sandbox, from memory: the
+        record's results; without a record, the entries other tools or an
+        older run left (the cache's index says which files: usually none). A
+        damaged record counts as none: with `repair` (the caller holds the
+        sandbox's lock) it is set aside, so it never blocks the sandbox again.
         """
         try:
             rec = self.store.read(sandbox_id)
         except DamagedRecord as e:
             rec = None
             if repair:
-                moved = await asyncio.to_thread(self.store.set_aside, sandbox_id)
-                log.warning("sandbox %s: record %s is damaged (%s); moved to %s, the sandbox is "
-                            "handled from its cache entries", sandbox_id, e.path, e.reason,
+                moved = self.store.set_aside(sandbox_id)
+                log.warning("sandbox %s: record %s is damaged (%s); set aside in %s, the sandbox "
+                            "is handled from its cache entries", sandbox_id, e.path, e.reason,
                             moved or "(gone already)", extra={"SANDBOX_ID": sandbox_id})
         if rec is None:
-            found = await asyncio.to_thread(self.runtime.cache.for_container, sandbox_id)
+            found = self.runtime.cache.for_container(sandbox_id)
         else:
             found = self.recorded_entries(rec)
         return rec, {(e.network, e.ifname): e for e in found}
 
     def recorded_entries(self, rec: SandboxRecord) -> list[CachedAttachment]:
-        """The cache entries of `rec`'s attachments (a few small files, named by
-        the record: no scan). One that cannot be read counts as none: the
-        record's own config serves its DEL."""
-        found = []
-        for a in rec.attachments:
-            try:
-                entry = self.runtime.cache.read(a.network, rec.sandbox_id, a.ifname)
-            except CNIError:
-                continue
-            if entry is not None:
-                found.append(entry)
-        return found
+        """The cache entries of `rec`'s attachments, as the record holds them."""
+        return [entry_of(rec, a) for a in rec.attachments if a.result is not None]
 
     @asynccontextmanager
-    async def live_netns(self, rec: SandboxRecord | None, entries: Entries, confirm: bool = True
-                         ) -> AsyncIterator[Pinned | None]:
+    async def live_netns(self, rec: SandboxRecord | None, entries: Entries, confirm: bool = True,
+                         given: Pinned | None = None) -> AsyncIterator[Pinned | None]:
         """The record's namespace, pinned, if its path still names the one
         recorded at ADD; else None (gone, replaced, or no namespace).
 
+        `given`: the caller's path, pinned when its call arrived: used when it
+        is the recorded path (no second open of it).
         `blocking.UNANSWERED` (PathTimeout, PathsBusy, NetnsUnknown, Unconfirmed)
         when whether it is alive is not known: it must be taken as alive. With
         `confirm` (the caller holds the sandbox's lock), a record confirmed alive
@@ -238,7 +247,11 @@ class Journal:
         if rec is None or not rec.netns or rec.netns_id is None:
             yield None
             return
-        async with self.paths.pinned_if_netns(rec.netns) as ns:
+        if given is not None and given.path == rec.netns:
+            pinned: AbstractAsyncContextManager[Pinned | None] = _as_given(given)
+        else:
+            pinned = self.paths.pinned_if_netns(rec.netns)
+        async with pinned as ns:
             if ns is None:
                 yield None
                 return
@@ -247,7 +260,7 @@ class Journal:
                 raise Unconfirmed(rec.netns)
             if stronger and confirm:
                 try:
-                    await self._save(replace(rec, netns_id=ns.identity))
+                    self.store.write(replace(rec, netns_id=ns.identity))
                 except CacheError as e:  # a full disk must not stop a Teardown: later
                     log.warning("sandbox %s: netns %s confirmed, but its stronger id is not "
                                 "recorded: %s", rec.sandbox_id, rec.netns, e)
@@ -255,9 +268,6 @@ class Journal:
                     log.info("sandbox %s: netns %s confirmed; its record now carries the "
                              "kernel's namespace id", rec.sandbox_id, rec.netns)
             yield ns if verdict is Identity.SAME else None
-
-    async def _save(self, rec: SandboxRecord) -> None:
-        await asyncio.to_thread(self.store.write, rec)  # two fsyncs: off the loop
 
     # --- adding -----------------------------------------------------------------
 
@@ -283,59 +293,92 @@ class Journal:
 
     async def begin_add(self, rec: SandboxRecord, new: Sequence[Attachment], ns: Pinned,
                         loopback: bool = False) -> tuple[SandboxRecord, bool]:
-        """Write the intent of `new` durably, before any of their plugins runs;
+        """Commit the intent of `new` (durable before any of their plugins runs);
         the record, and whether `lo` was brought up (by this call: it was down).
 
-        First, in the same worker call (one thread hop): none of `new`'s
-        interfaces may be in the namespace (InterfaceExists), none of their
-        cache entries another attachment's (CacheCollision), and with
-        `loopback` (a new sandbox) `lo` is brought up (NetnsError if it cannot
-        be). Whatever is raised, nothing was written and `lo` is as it was, so
-        nothing is to undo.
+        First, none of `new`'s interfaces may be in the namespace
+        (InterfaceExists), none of their cache entries another attachment's
+        (CacheCollision), and with `loopback` (a new sandbox) `lo` is brought
+        up (NetnsError if it cannot be): a few syscalls, on the loop. Whatever
+        is raised, no plugin ran and `lo` is as it was, so nothing is to undo.
         """
         begun = rec.with_attachments((*rec.attachments, *new))
         cache = self.runtime.cache
-
-        def work() -> bool:
-            present, raised = prepare(ns, [a.ifname for a in new], loopback)
+        present, raised = prepare(ns, [a.ifname for a in new], loopback)
+        try:
+            if present:
+                raise InterfaceExists(present, rec.netns)
+            for a in new:
+                if not cache.free_for(a.network, rec.sandbox_id, a.ifname):
+                    raise CacheCollision(a.network, a.ifname)
+            self.store.write(begun)
             try:
-                if present:
-                    raise InterfaceExists(present, rec.netns)
-                for a in new:
-                    if not cache.free_for(a.network, rec.sandbox_id, a.ifname):
-                        raise CacheCollision(a.network, a.ifname)
-                self.store.write(begun)
+                await self._commit(ns)
             except BaseException:
-                if raised:
-                    _lo_down(ns, rec.sandbox_id)
+                self._undo_intent(rec)
                 raise
-            return raised
-
-        raised = await asyncio.to_thread(work)
+        except BaseException:
+            if raised:
+                _lo_down(ns, rec.sandbox_id)
+            raise
         if not rec.attachments:
             self.generation += 1
             self._born[rec.sandbox_id] = self.generation
         return begun, raised
 
+    async def _commit(self, ns: Pinned) -> None:
+        """The intent durable; with a caller's path still to check (`Pinned.
+        unverified`), the check first, on a path thread, in the same hop as
+        the sync: whatever it raises, no plugin runs."""
+        check = ns.unverified
+        if check is None:
+            await self.store.commit()
+            return
+
+        async def on_a_path_thread(job: Callable[[], None]) -> None:
+            await self.paths.run(job, "netns", ns.path)
+
+        await self.store.commit(before=check, run=on_a_path_thread)
+        ns.unverified = None
+
+    def _undo_intent(self, rec: SandboxRecord) -> None:
+        """An intent that could not be made durable: no plugin ran, so the record
+        goes back to what it was. If even that is refused, the intent stays,
+        and its rollback (a DEL, harmless) comes with the next reaping pass."""
+        try:
+            if rec.attachments:
+                self.store.write(rec)
+            else:
+                self.store.delete(rec.sandbox_id)
+        except CacheError as e:
+            log.warning("sandbox %s: an intent not made durable stays in the journal (%s); the "
+                        "next reaping pass rolls it back", rec.sandbox_id, e)
+
     async def loopback_down(self, sandbox_id: str, ns: Pinned) -> None:
         """A failed Setup that brought `lo` up leaves it as it found it: down."""
-        await asyncio.to_thread(_lo_down, ns, sandbox_id)
+        _lo_down(ns, sandbox_id)
 
     async def add(self, rec: SandboxRecord, att: Attachment, net: NetworkConfigList,
-                  ns: Pinned, commit: Collection[str] = (),
-                  capabilities: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                  ns: Pinned, ready: Collection[str] = (),
+                  capabilities: Mapping[str, Any] | None = None
+                  ) -> tuple[SandboxRecord, dict[str, Any]]:
         """The ADD chain of one begun attachment, in the pinned namespace; the
-        runtime caches its result (with the caller's path). `commit`: these
-        attachments (the last one added, and those before it) become ready
-        right after that cache write, in the same worker call (no hop of its own)."""
+        runtime caches its result (with the caller's path), and the record
+        takes it — with `ready` (this attachment and those added before it)
+        made ready in the same write. The record, and the result."""
         rt = _conf(rec.sandbox_id, att if capabilities is None
                    else replace(att, capabilities=capabilities), ns)
-        then = (lambda: self.store.write(rec.with_phase(Phase.READY, commit))) if commit else None
         with log_fields(NETWORK=net.name, IFNAME=att.ifname):
             async with self.netlocks.use(net.name, self.lock_timeout):
-                result = await self.runtime.add(net, rt, then)
-            log.info("sandbox %s: %s/%s added", rec.sandbox_id, net.name, att.ifname)
-        return result
+                result = await self.runtime.add(net, rt)
+            ready = set(ready)
+            rec = rec.with_attachments(
+                replace(a, result=result if a.ifname == att.ifname else a.result,
+                        phase=Phase.READY if a.ifname in ready else a.phase)
+                for a in rec.attachments)
+            self.store.mark_added(rec, att.ifname, ready)
+            log.debug("sandbox %s: %s/%s added", rec.sandbox_id, net.name, att.ifname)
+        return rec, result
 
     async def check(self, att: Attachment, entry: CachedAttachment, ns: Pinned) -> bool:
         """CHECK with the config, args and capabilities the ADD used, and its cached
@@ -368,20 +411,22 @@ class Journal:
         if removal.errors:  # still in the record, "deleting": lost instead, retried
             failed = CNIError(f"DEL before the new ADD failed: {removal.errors[0]}")
             base = removal.left or rec
-            kept = base.with_attachments(lost(failed) if a.ifname == att.ifname else a
+            kept = base.with_attachments(replace(lost(failed), result=None)
+                                         if a.ifname == att.ifname else a
                                          for a in base.attachments)
-            await self._save(kept)
+            self.store.write(kept)
             return kept, failed
         left = removal.left
         others = list(left.attachments) if left else []
         # The record keeps the caller's capabilities (a runtime's repeat ADD is
         # compared with them); only this ADD asks for the same IPs and MAC.
-        new = replace(att, phase=Phase.ADDING, check=None, lost=None)
+        new = replace(att, phase=Phase.ADDING, check=None, lost=None, result=None)
         begun = (left or rec).with_attachments([*others[:index], new, *others[index:]])
-        await self._save(begun)
+        self.store.write(begun)
+        await self.store.commit()  # the intent, durable before the ADD
         try:
-            result = await self.add(begun, new, net, ns, commit=[att.ifname],
-                                    capabilities=capabilities)
+            done, result = await self.add(begun, new, net, ns, ready=[att.ifname],
+                                          capabilities=capabilities)
         except CNIError as e:
             # Its rollback DEL (the spec requires it), then one write: still in
             # the record, lost. A failed rollback DEL is the retry's first DEL.
@@ -390,15 +435,17 @@ class Journal:
             except CNIError as undo:
                 log.warning("sandbox %s: DEL after the failed ADD of %s/%s failed (retried "
                             "with it): %s", rec.sandbox_id, att.network, att.ifname, undo)
-            kept = begun.with_attachments(lost(e) if a.ifname == att.ifname else a
+            kept = begun.with_attachments(replace(lost(e), result=None)
+                                          if a.ifname == att.ifname else a
                                           for a in begun.attachments)
-            await self._save(kept)
+            self.store.write(kept)
             return kept, e
-        return begun.with_phase(Phase.READY, [att.ifname]), result
+        return done, result
 
     async def save(self, rec: SandboxRecord) -> None:
-        """Write `rec` durably (the caller holds the sandbox's lock)."""
-        await self._save(rec)
+        """Write `rec` (the caller holds the sandbox's lock): it survives a killed
+        agent at once, a power loss with the next intent's commit."""
+        self.store.write(rec)
 
     def config_for(self, att: Attachment, entry: CachedAttachment | None) -> NetworkConfigList:
         return self._config_for(att, entry)
@@ -424,7 +471,7 @@ class Journal:
             return rec
         claimed = base.with_attachments((*base.attachments, *extra))
         try:
-            await self._save(claimed)
+            self.store.write(claimed)
         except CacheError as e:
             log.warning("sandbox %s: removing %s without recording it first: %s", sandbox_id,
                         ", ".join(f"{a.network}/{a.ifname}" for a in extra), e)
@@ -454,7 +501,7 @@ class Journal:
         if marking:
             rec = rec.with_phase(Phase.DELETING, marking)
             try:
-                await self._save(rec)
+                self.store.mark_deleting(rec, marking)
             except CacheError as e:
                 self.store.unrecorded(sid, [a.ifname for a in targets])
                 unmarked = True
@@ -480,7 +527,7 @@ class Journal:
         kept = rec.with_attachments(left) if left else None
         try:
             if kept is not None:
-                await self._save(kept)
+                self.store.write(kept)
             else:
                 self.store.delete(sid)
                 self._born.pop(sid, None)
@@ -505,7 +552,7 @@ class Journal:
             prev = _as_plugin_sees(entry.result, ns) if entry else None
             async with self.netlocks.use(att.network, self.lock_timeout):
                 await self.runtime.delete(net, rt, prev_result=prev, use_cache=False)
-            log.info("sandbox %s: %s/%s deleted", sandbox_id, att.network, att.ifname)
+            log.debug("sandbox %s: %s/%s deleted", sandbox_id, att.network, att.ifname)
 
     def _config_for(self, att: Attachment, entry: CachedAttachment | None) -> NetworkConfigList:
         """The list the ADD used (recorded, then cached), else the network's current one."""
@@ -524,6 +571,11 @@ class Journal:
                 self._parsed.clear()
             self._parsed[data] = parse_list_or_none(data, f"recorded config of {source}")
         return self._parsed[data]
+
+
+@asynccontextmanager
+async def _as_given(ns: Pinned) -> AsyncIterator[Pinned | None]:
+    yield ns  # its opener closes it
 
 
 def _lo_down(ns: Pinned, sandbox_id: str) -> None:

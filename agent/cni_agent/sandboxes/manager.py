@@ -137,11 +137,9 @@ class SandboxManager:
 
     # --- shared steps -----------------------------------------------------------
 
-    @asynccontextmanager
-    async def locked(self, ticket: Ticket) -> AsyncIterator[None]:
-        """Recovery over, then the sandbox's lock, within one `timeouts.lock` budget."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.timeouts.lock
+    async def recovered(self, deadline: float) -> None:
+        """Until start-up recovery is over (records are read only then); Busy at
+        `deadline` (loop time)."""
         if not self.reaper.recovered.is_set():
             try:
                 async with asyncio.timeout_at(deadline):
@@ -149,6 +147,12 @@ class SandboxManager:
             except TimeoutError:
                 raise AgentError(ErrorKind.BUSY, "start-up recovery is still running after "
                                                  f"{self.timeouts.lock:g}s") from None
+
+    @asynccontextmanager
+    async def locked(self, ticket: Ticket) -> AsyncIterator[None]:
+        """Recovery over, then the sandbox's lock, within one `timeouts.lock` budget."""
+        deadline = asyncio.get_running_loop().time() + self.timeouts.lock
+        await self.recovered(deadline)
         async with self.locks.hold(ticket.sandbox_id, self.timeouts.lock, deadline):
             ticket.start()
             yield
@@ -361,8 +365,9 @@ class SandboxManager:
             ifnames = [a.ifname for a in new]
             for i, (net, att) in enumerate(zip(nets, new, strict=True)):
                 try:
-                    results.append(await self.journal.add(
-                        rec, att, net, ns, commit=ifnames if i == len(new) - 1 else ()))
+                    rec, result = await self.journal.add(
+                        rec, att, net, ns, ready=ifnames if i == len(new) - 1 else ())
+                    results.append(result)
                 except CNIError as e:
                     failed(att, e)
                     undo = await self.journal.remove(rec, ifnames[: i + 1], ns,
@@ -398,7 +403,8 @@ class SandboxManager:
                 # Where the DELs run: the recorded namespace if it still is the
                 # one; without a record (another tool's entries) the caller's;
                 # else none — an empty netns, which DEL must tolerate.
-                ns_cm = self.journal.live_netns(rec, entries) if rec else no_netns(given)
+                ns_cm = self.journal.live_netns(rec, entries, given=given) if rec \
+                    else no_netns(given)
                 async with unless_hung(ns_cm) as ns:
                     claimed = await self.journal.claim(sandbox_id, rec, entries, netns,
                                                        ns.identity if ns else None)
@@ -479,6 +485,7 @@ class SandboxManager:
     async def show(self, sandbox_id: str, caller: Caller = ROOT) -> dict[str, Any]:
         with classified():
             sid = self.own_id(caller, sandbox_id)
+            await self.recovered(asyncio.get_running_loop().time() + self.timeouts.lock)
             # No lock here: a damaged record is reported, and left to be set aside
             # by the next operation or reaping pass that holds the sandbox's lock.
             rec, entries = await self.journal.view(sid, repair=False)
@@ -491,17 +498,15 @@ class SandboxManager:
         return shown(caller, doc)
 
     async def list(self, caller: Caller = ROOT) -> list[str]:
-        def scan() -> list[str]:
-            # A caller that is not root reads its own records only (by name).
-            records = self.journal.store.all(Policy.own_prefix(caller))[0]
-            if not caller.root:
-                return sorted(Policy.shown(caller, r.sandbox_id) for r in records
-                              if r.phase is Phase.READY and Policy.owns(caller, r.owner))
-            ids = {r.sandbox_id for r in records if r.phase is Phase.READY}
-            ids.update(e.container_id for e in self.journal.runtime.cache.all())
-            return sorted(ids)
-
-        return await asyncio.to_thread(scan)
+        await self.recovered(asyncio.get_running_loop().time() + self.timeouts.lock)
+        # A caller that is not root sees its own records only (by name).
+        records = self.journal.store.records(Policy.own_prefix(caller))
+        if not caller.root:
+            return sorted(Policy.shown(caller, r.sandbox_id) for r in records
+                          if r.phase is Phase.READY and Policy.owns(caller, r.owner))
+        ids = {r.sandbox_id for r in records if r.phase is Phase.READY}
+        ids.update(cid for _, cid, _ in self.journal.runtime.cache.keys())
+        return sorted(ids)
 
     # --- node-wide ------------------------------------------------------------------------
 

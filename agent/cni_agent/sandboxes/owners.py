@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from cni_agent.cni.errors import InvalidArgument
-from cni_agent.node.blocking import UNANSWERED, PathWorker
+from cni_agent.node.blocking import PathWorker
 from cni_agent.node.netns import Pinned
 from cni_agent.sandboxes.policy import Caller, Policy
 
@@ -41,11 +41,8 @@ async def callers_netns(paths: PathWorker, netns: str, netns_fd: int | None, cal
         Policy.netns(caller, owners)
 
     async with paths.pinned_fd(netns_fd, netns, vet) as ns:
-        try:
-            async with paths.pinned_if_netns(netns) as named:
-                same = named is not None and named.identity.same(ns.identity)
-        except (InvalidArgument, *UNANSWERED):
-            same = False
-        if not same:
-            raise InvalidArgument("netns", "does not name the namespace of netns_fd")
+        # Checked on a path thread together with the intent's commit, before
+        # anything is recorded under the path or any plugin runs (one thread
+        # hop for both: `Journal.begin_add`).
+        ns.unverified = paths.names(netns, ns)
         yield ns

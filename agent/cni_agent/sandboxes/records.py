@@ -1,14 +1,14 @@
-"""Sandbox records: the on-disk write-ahead journal that makes a kill -9 harmless.
+"""Sandbox records: what the journal keeps of each sandbox, and their format.
 
 libcni writes its cache only after a whole ADD chain succeeded. A runtime
 killed in between leaves an IP allocated that nothing remembers. So before the
 first plugin of an attachment runs, its intent (network, ifname, the exact
-config bytes, args and capabilities) is written durably here in phase
-"adding"; it becomes "ready" once cached, "deleting" before its DEL, and
-leaves the record when the DEL succeeded. `journal.Journal` drives those
-transitions; this module is only the format and the files.
+config bytes, args and capabilities) is made durable in the journal in phase
+"adding"; it becomes "ready" with its result once its chain ran, "deleting"
+before its DEL, and leaves the record when the DEL succeeded.
+`journal.Journal` drives those transitions, `store.SandboxStore` keeps the
+records (in memory, over an append-only log); this module is only the format.
 
-One JSON file per sandbox under `<state_dir>/sandboxes/`, written atomically.
 The netns identity recorded at ADD lets GC tell a deleted namespace, or a path
 reused by another namespace, from a live one.
 """
@@ -16,21 +16,33 @@ reused by another namespace, from a live one.
 from __future__ import annotations
 
 import base64
-import json
-import os
+import functools
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
-from cni_agent.cni.cache import atomic_write
 from cni_agent.cni.errors import CacheError
 from cni_agent.node.netns import NetnsId
 
 # The record format; a record of a later version (a newer agent's, after a
 # downgrade) is damaged to this one: set aside, never guessed at.
 RECORD_VERSION = 1
+
+
+@functools.lru_cache(maxsize=256)
+def _config(text: str) -> bytes:
+    """A recorded config, decoded once: the records of one network share it
+    (one bytes object in memory, one decoding when a journal is replayed)."""
+    return base64.b64decode(text, validate=True)
+
+
+@functools.lru_cache(maxsize=256)
+def _b64(data: bytes) -> str:
+    """base64 of a config, remembered: every write of a record encodes its
+    attachments' configs, and a node has a few distinct ones."""
+    return base64.b64encode(data).decode()
 
 
 class DamagedRecord(CacheError):
@@ -40,18 +52,6 @@ class DamagedRecord(CacheError):
         super().__init__(f"{path}: unreadable sandbox record: {reason}")
         self.path = path
         self.reason = reason
-
-
-class StateUnavailable(CacheError):
-    """A sandbox record that cannot be read now (too many open files, no
-    memory, an I/O or permission error): the operation fails, the file stays.
-    Only what a record contains makes it damaged, never the read failing."""
-
-    def __init__(self, path: str, error: OSError) -> None:
-        super().__init__(f"{path}: cannot read the sandbox record now ({error.strerror or error}); "
-                         "it is left in place")
-        self.path = path
-        self.errno = error.errno
 
 
 class CheckVerdict(StrEnum):
@@ -173,12 +173,16 @@ class Attachment:
     check: CheckState | None = None
     # Set while it is lost (its repair's re-ADD failed): an optional key too.
     lost: Lost | None = None
+    # The ADD chain's result, as the libcni cache entry holds it (the journal
+    # is its source of truth: the cache is rewritten from it). None: no result
+    # (not added yet, or lost). Not part of an attachment's identity.
+    result: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
 
     def to_json(self) -> dict[str, Any]:
         doc = {
             "network": self.network,
             "ifname": self.ifname,
-            "config": base64.b64encode(self.config).decode(),
+            "config": _b64(self.config),
             "args": [list(kv) for kv in self.args],
             "capabilities": dict(self.capabilities),
             "phase": str(self.phase),
@@ -189,14 +193,17 @@ class Attachment:
             doc["check"] = self.check.to_json()
         if self.lost is not None:
             doc["lost"] = self.lost.to_json()
+        if self.result is not None:
+            doc["result"] = self.result
         return doc
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any], phase: Phase) -> Attachment:
+        result = doc.get("result")
         return cls(
             network=str(doc["network"]),
             ifname=str(doc["ifname"]),
-            config=base64.b64decode(doc["config"], validate=True),
+            config=_config(doc["config"]),
             args=tuple((str(k), str(v)) for k, v in doc.get("args", [])),
             capabilities=dict(doc.get("capabilities") or {}),
             # Records of 0.1.0 had one phase for the whole sandbox.
@@ -204,6 +211,7 @@ class Attachment:
             origin=str(doc.get("origin", "")),
             check=CheckState.from_json(doc.get("check")),
             lost=Lost.from_json(doc.get("lost")),
+            result=result if isinstance(result, dict) else None,
         )
 
 
@@ -278,162 +286,3 @@ class SandboxRecord:
             updated=float(doc.get("updated", 0)),
             owner=int(doc.get("owner", 0)),
         )
-
-
-class SandboxStore:
-    """Blocking file operations on the agent's own (local) state dir.
-
-    Every write is durable (the file fsynced before its rename, the directory
-    after): a rename that a power loss undoes, or that leaves a 0-byte file
-    (XFS without the fsyncs), would cost a phase change. Writes run off the
-    event loop; reads and unlinks are a few plain syscalls, like the lock
-    files', and cost less on the loop than a thread hop (~0.15 ms of CPU).
-    """
-
-    def __init__(self, state_dir: str) -> None:
-        self.dir = os.path.join(state_dir, "sandboxes")
-        self.damaged_dir = os.path.join(self.dir, "damaged")
-        # Removals the disk did not take (full, read-only): sandbox → the
-        # attachments whose DEL ran without its "deleting" mark, or whose end
-        # could not be written. Every read shows them "deleting" until a write
-        # records it, so each operation and reaping pass sees a sandbox being
-        # torn down (and the next pass finishes it), not a ready one.
-        self._unrecorded: dict[str, frozenset[str]] = {}
-
-    def path(self, sandbox_id: str) -> str:
-        return os.path.join(self.dir, f"{sandbox_id}.json")
-
-    def write(self, record: SandboxRecord) -> None:
-        try:
-            os.makedirs(self.dir, mode=0o700, exist_ok=True)
-            atomic_write(self.path(record.sandbox_id), json.dumps(record.to_json()).encode())
-        except OSError as e:
-            raise CacheError(f"cannot write sandbox record: {e}") from e
-        pending = self._unrecorded.get(record.sandbox_id)
-        if pending:  # what the written record now says of them is recorded
-            left = frozenset(i for i in pending if (a := record.attachment(i)) is not None
-                             and a.phase is not Phase.DELETING)
-            self._set_unrecorded(record.sandbox_id, left)
-
-    def unrecorded(self, sandbox_id: str, ifnames: Iterable[str]) -> None:
-        """The removal of `ifnames` ran (or runs) though the disk did not take
-        its record: show them "deleting" until a write or delete records it."""
-        self._set_unrecorded(sandbox_id,
-                             self._unrecorded.get(sandbox_id, frozenset()) | frozenset(ifnames))
-
-    def pending(self) -> list[str]:
-        """The sandboxes with a removal the disk has not recorded yet."""
-        return sorted(self._unrecorded)
-
-    def _set_unrecorded(self, sandbox_id: str, ifnames: frozenset[str]) -> None:
-        if ifnames:
-            self._unrecorded[sandbox_id] = ifnames
-        else:
-            self._unrecorded.pop(sandbox_id, None)
-
-    def _overlaid(self, record: SandboxRecord) -> SandboxRecord:
-        pending = self._unrecorded.get(record.sandbox_id)
-        if not pending:
-            return record
-        return replace(record, attachments=tuple(
-            replace(a, phase=Phase.DELETING) if a.ifname in pending else a
-            for a in record.attachments))
-
-    def read(self, sandbox_id: str) -> SandboxRecord | None:
-        """The record, None when there is none; DamagedRecord when what it holds
-        is unusable (empty, not JSON, an unknown phase or version), to be set
-        aside; StateUnavailable when it cannot be read now (EMFILE, ENFILE,
-        ENOMEM, EIO, EACCES, EINTR, or any other errno: a failing read says
-        nothing about the content, and setting it aside would lose the owner,
-        the namespace's identity and the check state for good)."""
-        path = self.path(sandbox_id)
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            raise StateUnavailable(path, e) from None
-        try:
-            record = SandboxRecord.from_json(json.loads(data))
-        except (ValueError, KeyError, TypeError) as e:
-            raise DamagedRecord(path, str(e) or type(e).__name__) from None
-        return self._overlaid(record)
-
-    def set_aside(self, sandbox_id: str) -> str:
-        """Move an unreadable record to `damaged/` (kept for a post-mortem, never
-        read again); its path there, "" when it was gone already. Call with the
-        sandbox's lock held: a writer may not race the rename."""
-        os.makedirs(self.damaged_dir, mode=0o700, exist_ok=True)
-        target = os.path.join(self.damaged_dir, f"{sandbox_id}.json")
-        if os.path.lexists(target):  # an earlier damaged one: keep both ('~' is in no id)
-            target = os.path.join(self.damaged_dir, f"{sandbox_id}.json~{time.time_ns()}")
-        try:
-            os.rename(self.path(sandbox_id), target)
-        except FileNotFoundError:
-            return ""
-        return target
-
-    def damaged(self, sandbox_id: str) -> str:
-        """Where the sandbox's damaged record is: in place (not set aside yet), or
-        the latest set aside in `damaged/`; "" when it has none."""
-        if os.path.exists(self.path(sandbox_id)):
-            return self.path(sandbox_id)
-        try:
-            names = os.listdir(self.damaged_dir)
-        except FileNotFoundError:
-            return ""
-        plain = f"{sandbox_id}.json"
-        mine = [n for n in names if n == plain or n.startswith(plain + "~")]
-        # The plain name is the first set aside; numbered ones came later.
-        mine.sort(key=lambda n: (n != plain, len(n), n))
-        return os.path.join(self.damaged_dir, mine[-1]) if mine else ""
-
-    def delete(self, sandbox_id: str) -> None:
-        try:
-            os.unlink(self.path(sandbox_id))
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            raise CacheError(f"cannot remove sandbox record: {e}") from e
-        self._unrecorded.pop(sandbox_id, None)
-
-    def ids(self, prefix: str = "") -> list[str]:
-        """The ids of the records (those beginning `prefix`)."""
-        try:
-            names = os.listdir(self.dir)
-        except FileNotFoundError:
-            return []
-        return sorted(n[: -len(".json")] for n in names
-                      if n.endswith(".json") and not n.startswith(".") and n.startswith(prefix))
-
-    def scan(self, prefix: str = "") -> Listing:
-        """Every record (of the ids beginning `prefix`): the readable ones, the
-        ids of damaged ones, and of those that cannot be read now (to be left
-        alone: looked at again next time)."""
-        listing = Listing([], [], [])
-        for sid in self.ids(prefix):
-            try:
-                rec = self.read(sid)
-            except DamagedRecord:
-                listing.damaged.append(sid)
-                continue
-            except StateUnavailable:
-                listing.unavailable.append(sid)
-                continue
-            if rec is not None:
-                listing.records.append(rec)
-        return listing
-
-    def all(self, prefix: str = "") -> tuple[list[SandboxRecord], list[str]]:
-        """Every readable record (of the ids beginning `prefix`), and the ids
-        of damaged ones (`scan` without those that cannot be read now)."""
-        listing = self.scan(prefix)
-        return listing.records, listing.damaged
-
-
-@dataclass(frozen=True)
-class Listing:
-    records: list[SandboxRecord]
-    damaged: list[str]
-    unavailable: list[str]

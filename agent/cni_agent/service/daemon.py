@@ -82,7 +82,7 @@ def _return_big_blocks_to_the_system() -> None:
 def _prepare_dirs(cfg: AgentConfig) -> None:
     for path, mode in ((cfg.state_dir, 0o755), (cfg.runtime_dir, 0o755)):
         os.makedirs(path, mode=mode, exist_ok=True)
-    for sub in ("results", "sandboxes"):
+    for sub in ("results", "journal"):
         d = os.path.join(cfg.state_dir, sub)
         os.makedirs(d, mode=0o700, exist_ok=True)
         # Temp files of writes interrupted by a crash are garbage.
@@ -110,14 +110,30 @@ class Daemon:
         self._signals = 0
         self._recovery: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Future[None]] = set()
+        self._fatal = ""  # why the agent stops on its own (it exits 1)
 
     async def _recover(self) -> None:
-        """Runs before any sandbox operation may (they wait for `reaper.recovered`)."""
+        """Runs before any sandbox operation may (they wait for `reaper.recovered`):
+        the journal replayed and the cache made to agree with it (off the loop,
+        while the bus and readiness come up: READY=1 does not wait for it),
+        then what a killed agent left half-done."""
+        try:
+            for note in await asyncio.to_thread(self.core.journal.open):
+                log.warning("start-up: %s", note)
+        except OSError as e:
+            # Nothing can be recorded: no call may run. Stop, and say why.
+            self._fatal = (f"cannot open the journal in {self.cfg.state_dir}: "
+                           f"{e.strerror or e}")
+            log.critical("%s", self._fatal)
+            self._stop.set()
+            return
         try:
             report = await self.reaper.recover()
         except Exception:
             log.exception("start-up recovery failed; the next GC retries")
         else:
+            if self.core.journal.store.compact_due:  # what was replayed, in one snapshot
+                self.core.journal.store.compact_soon()
             for err in report.errors:
                 log.warning("start-up recovery: %s", err)
         self.reaper.start_periodic()
@@ -296,7 +312,7 @@ class Daemon:
         await asyncio.gather(stop, lost, return_exceptions=True)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
-        return status
+        return 1 if self._fatal else status
 
     async def _drain(self, lost: asyncio.Future[None]) -> None:
         """Serve until shutdown_drain is up, the bus is gone, or the agent is idle."""

@@ -8,7 +8,6 @@ NetworkReady property and STOPPING=1), while D-Bus calls are still served.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
@@ -20,7 +19,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from cni_agent.config import parse_listen
 from cni_agent.readiness.monitor import Monitor
-from cni_agent.sandboxes.records import Phase, SandboxStore
+from cni_agent.sandboxes.records import Phase
+from cni_agent.sandboxes.store import SandboxStore
 from cni_agent.service.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class HealthServer:
         return web.Response(status=200 if state.ready else 503, text=state.status + "\n")
 
     async def _metrics_page(self, request: web.Request) -> web.Response:
-        records, unreadable = await asyncio.to_thread(self._store.all)
+        records, unreadable = self._store.all()
         tearing_down = sum(1 for r in records if r.phase is Phase.DELETING)
         lost = sum(1 for r in records for a in r.attachments if a.lost is not None)
         self._metrics.refresh(self._monitor, len(records) + len(unreadable), tearing_down, lost)

@@ -8,6 +8,8 @@ execution path, the sandbox locks, the reaper).
 
 from __future__ import annotations
 
+import bisect
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
@@ -16,10 +18,10 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
-    Histogram,
     ProcessCollector,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import Metric
 
@@ -55,19 +57,24 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.operations = Counter(
+        # The series every call updates, several times: plain numbers (`_Counts`,
+        # `_Times`), read only when scraped; prometheus_client's own take a
+        # lock, and a Python loop over the buckets, at each update.
+        hot = _Hot()
+        r.register(hot)
+        self.operations = hot.counts(
             "cni_agent_operations", "D-Bus method calls by method and result (ok or the error name)",
-            ("method", "result"), registry=r)
-        self.operation_seconds = Histogram(
+            ("method", "result"))
+        self.operation_seconds = hot.times(
             "cni_agent_operation_duration_seconds",
             "Wall time of one D-Bus method call, from its arrival to its reply, by method",
-            ("method",), buckets=_OPERATION_BUCKETS, registry=r)
-        self.plugin_runs = Counter(
+            ("method",), _OPERATION_BUCKETS)
+        self.plugin_runs = hot.counts(
             "cni_agent_plugin_executions", "Plugin executions by plugin, verb and result",
-            ("plugin", "verb", "result"), registry=r)
-        self.plugin_seconds = Histogram(
+            ("plugin", "verb", "result"))
+        self.plugin_seconds = hot.times(
             "cni_agent_plugin_duration_seconds", "Wall time of one plugin execution",
-            ("plugin", "verb"), buckets=_PLUGIN_BUCKETS, registry=r)
+            ("plugin", "verb"), _PLUGIN_BUCKETS)
         self.transitions = Counter(
             "cni_agent_readiness_transitions", "Changes of NetworkReady", registry=r)
         self.ready = Gauge("cni_agent_network_ready", "NetworkReady (1 ready, 0 not)", registry=r)
@@ -78,16 +85,17 @@ class Metrics:
         self.reaped = Counter(
             "cni_agent_gc_attachments", "Attachments removed by recovery and GC, by how",
             ("how",), registry=r)
-        self.lock_wait = Histogram(
-            "cni_agent_lock_wait_seconds", "Time waited for a sandbox lock",
-            buckets=_LOCK_BUCKETS, registry=r)
-        self.busy = Counter("cni_agent_busy_refusals",
-                            "Requests refused Busy (a sandbox or network lock not free in time)",
-                            registry=r)
+        self.lock_wait = hot.times(
+            "cni_agent_lock_wait_seconds", "Time waited for a sandbox lock", (), _LOCK_BUCKETS)
+        self.lock_wait.touch(())
+        self.busy = hot.counts("cni_agent_busy_refusals",
+                               "Requests refused Busy (a sandbox or network lock not free in time)",
+                               ())
+        self.busy.touch(())
         self.sandboxes = Gauge("cni_agent_sandboxes", "Sandboxes with attachments", registry=r)
-        self.shim_calls = Counter(
+        self.shim_calls = hot.counts(
             "cni_agent_shim_calls", "CNI calls forwarded by cni-agent-shim, by command and result "
-            "(ok or the CNI error code)", ("command", "result"), registry=r)
+            "(ok or the CNI error code)", ("command", "result"))
         self.checks = Counter(
             "cni_agent_checks", "CHECKs of attachments by result: ok, failed (the plugin's "
             "CHECK failed after a pass: drift), unsupported (never passed), disabled (the "
@@ -112,10 +120,10 @@ class Metrics:
         self.reaping_passes = Counter(
             "cni_agent_reaping_passes", "Periodic reaping passes (gc.interval), by whether they "
             "removed any attachment (freed: yes or no)", ("freed",), registry=r)
-        self.shim_seconds = Histogram(
+        self.shim_seconds = hot.times(
             "cni_agent_shim_call_duration_seconds",
             "Wall time of one CNI call forwarded by cni-agent-shim, by command",
-            ("command",), buckets=_OPERATION_BUCKETS, registry=r)
+            ("command",), _OPERATION_BUCKETS)
         # The agent's own CPU, memory and descriptors (process_*), as the
         # default registry would have them.
         ProcessCollector(registry=r)
@@ -153,24 +161,24 @@ class Metrics:
         return child  # type: ignore[return-value]  # labels() of an _M is an _M
 
     def operation(self, method: str, result: str, seconds: float | None = None) -> None:
-        self._child(self.operations, method, result).inc()
+        self.operations.inc((method, result))
         if seconds is not None:
-            self._child(self.operation_seconds, method).observe(seconds)
+            self.operation_seconds.observe((method,), seconds)
 
     def shim_call(self, command: str, code: int, seconds: float | None = None) -> None:
-        self._child(self.shim_calls, command, "ok" if code == 0 else f"code_{code}").inc()
+        self.shim_calls.inc((command, "ok" if code == 0 else f"code_{code}"))
         if seconds is not None:
-            self._child(self.shim_seconds, command).observe(seconds)
+            self.shim_seconds.observe((command,), seconds)
 
     def plugin_run(self, plugin: str, verb: str, result: str, seconds: float) -> None:
         """One plugin execution: its time and its outcome."""
-        self._child(self.plugin_seconds, plugin, verb).observe(seconds)
-        self._child(self.plugin_runs, plugin, verb, result).inc()
+        self.plugin_seconds.observe((plugin, verb), seconds)
+        self.plugin_runs.inc((plugin, verb, result))
 
     def locked(self, waited: float, busy: bool) -> None:
-        self.lock_wait.observe(waited)
+        self.lock_wait.observe((), waited)
         if busy:
-            self.busy.inc()
+            self.busy.inc(())
 
     def check(self, outcome: Outcome) -> None:
         """Checks listener: one CHECK of one attachment, or one repair."""
@@ -230,6 +238,8 @@ class _WithoutCreated:
 
 
 class _MeteredExecutor:
+    """Every execution counted and timed, in `Metrics.plugin_run`'s series."""
+
     def __init__(self, inner: Executor, metrics: Metrics,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._inner = inner
@@ -242,11 +252,82 @@ class _MeteredExecutor:
     async def execute(self, plugin: str, binary: str, inv: Invocation, stdin: bytes,
                       timeout: float) -> bytes:
         start = self._clock()
-        error: BaseException | None = None
         try:
-            return await self._inner.execute(plugin, binary, inv, stdin, timeout)
+            out = await self._inner.execute(plugin, binary, inv, stdin, timeout)
         except BaseException as e:
-            error = e
+            self._m.plugin_run(plugin, inv.command, plugin_result(e), self._clock() - start)
             raise
-        finally:
-            self._m.plugin_run(plugin, inv.command, plugin_result(error), self._clock() - start)
+        self._m.plugin_run(plugin, inv.command, "ok", self._clock() - start)
+        return out
+
+
+class _Counts:
+    """A counter's series by label values, as plain numbers."""
+
+    def __init__(self, name: str, doc: str, labels: Sequence[str]) -> None:
+        self.name, self.doc, self.labels = name, doc, list(labels)
+        self.values: dict[tuple[str, ...], float] = {}
+
+    def inc(self, key: tuple[str, ...], amount: float = 1.0) -> None:
+        self.values[key] = self.values.get(key, 0.0) + amount
+
+    def touch(self, key: tuple[str, ...]) -> None:
+        """The series exists from now on, at 0 (an alert's increase() needs it)."""
+        self.values.setdefault(key, 0.0)
+
+    def family(self) -> Metric:
+        fam = CounterMetricFamily(self.name, self.doc, labels=self.labels)
+        for key, value in sorted(self.values.items()):
+            fam.add_metric(list(key), value)
+        return fam
+
+
+class _Times:
+    """A histogram's series by label values: each a count per bucket (not
+    cumulative) and the sum, as plain numbers."""
+
+    def __init__(self, name: str, doc: str, labels: Sequence[str],
+                 buckets: Sequence[float]) -> None:
+        self.name, self.doc, self.labels = name, doc, list(labels)
+        self.bounds = [float(b) for b in buckets]
+        self.series: dict[tuple[str, ...], list[float]] = {}
+
+    def observe(self, key: tuple[str, ...], value: float) -> None:
+        counts = self.series.get(key)
+        if counts is None:
+            counts = self.series[key] = [0.0] * (len(self.bounds) + 2)  # + the +Inf one, the sum
+        counts[bisect.bisect_left(self.bounds, value)] += 1
+        counts[-1] += value
+
+    def touch(self, key: tuple[str, ...]) -> None:
+        self.series.setdefault(key, [0.0] * (len(self.bounds) + 2))
+
+    def family(self) -> Metric:
+        fam = HistogramMetricFamily(self.name, self.doc, labels=self.labels)
+        for key, counts in sorted(self.series.items()):
+            total, buckets = 0.0, []
+            for bound, n in zip([*self.bounds, math.inf], counts[:-1], strict=True):
+                total += n
+                buckets.append(("+Inf" if bound == math.inf else repr(bound), total))
+            fam.add_metric(list(key), buckets, counts[-1])
+        return fam
+
+
+class _Hot:
+    """The collector of the `_Counts` and `_Times` series."""
+
+    def __init__(self) -> None:
+        self._all: list[_Counts | _Times] = []
+
+    def counts(self, name: str, doc: str, labels: Sequence[str]) -> _Counts:
+        self._all.append(series := _Counts(name, doc, labels))
+        return series
+
+    def times(self, name: str, doc: str, labels: Sequence[str],
+              buckets: Sequence[float]) -> _Times:
+        self._all.append(series := _Times(name, doc, labels, buckets))
+        return series
+
+    def collect(self) -> Iterator[Metric]:
+        for series in self._all:
+            yield series.family()

@@ -25,7 +25,7 @@ from cni_agent.sandboxes.journal import Journal
 from cni_agent.sandboxes.manager import SandboxManager
 from cni_agent.sandboxes.manager import Timeouts as SandboxTimeouts
 from cni_agent.sandboxes.policy import Policy
-from cni_agent.sandboxes.records import SandboxStore
+from cni_agent.sandboxes.store import SandboxStore
 from cni_agent.service.cnicall import ShimCalls
 from cni_agent.service.metrics import Metrics
 
@@ -61,6 +61,7 @@ class Core:
         await self.drift.stop()
         await self.reaper.stop()
         self.journal.paths.stop()
+        await self.journal.store.close()
 
 
 def build_core(cfg: AgentConfig, executor: Executor | None = None) -> Core:
