@@ -40,7 +40,7 @@ $(SHIM): shim/cni-agent-shim.c shim/Makefile | system
 	$(MAKE) -s -C shim OUT=$(CURDIR)/$(SHIM) EXTRA_CFLAGS=-Werror
 
 lint: setup
-	$(VENV)/bin/ruff check . tools/test-systemd
+	$(VENV)/bin/ruff check . tools/test-systemd packaging/rpm/pyproject-standin
 	$(VENV)/bin/mypy
 	$(VENV)/bin/mypy --strict tools/test-systemd
 	$(VENV)/bin/lint-imports --no-logo --no-cache
