@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 # of a 2-core machine.
 TEST_JOBS ?= 4
 
-.PHONY: all setup system venv shim test test-systemd test-crio lint unit-py313 run run-system deb rpm-spec-check bench bench-smoke soak clean
+.PHONY: all setup system venv shim test test-systemd test-crio lint unit-py313 run run-system deb rpm srpm rpm-lint rpm-spec-check bench bench-smoke soak clean
 
 all: setup
 
@@ -40,7 +40,7 @@ $(SHIM): shim/cni-agent-shim.c shim/Makefile | system
 	$(MAKE) -s -C shim OUT=$(CURDIR)/$(SHIM) EXTRA_CFLAGS=-Werror
 
 lint: setup
-	$(VENV)/bin/ruff check . tools/test-systemd
+	$(VENV)/bin/ruff check . tools/test-systemd packaging/rpm/pyproject-standin
 	$(VENV)/bin/mypy
 	$(VENV)/bin/mypy --strict tools/test-systemd
 	$(VENV)/bin/lint-imports --no-logo --no-cache
@@ -98,6 +98,17 @@ deb: system
 
 rpm-spec-check: system
 	tools/check-rpm-spec
+
+# The RPMs (source and binary) from `git archive HEAD` into out/, with Fedora's
+# macros or, on Debian, packaging/rpm/macros.fedora-standin; then rpmlint on them.
+rpm: system
+	tools/build-rpm rpm
+
+srpm: system
+	tools/build-rpm srpm
+
+rpm-lint: system
+	tools/rpm-lint
 
 # The agent on a private bus with the built-in default network; Ctrl-C cleans up.
 # Only what running needs: no test toolchain (podman, debootstrap, rpm,
