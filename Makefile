@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 # of a 2-core machine.
 TEST_JOBS ?= 4
 
-.PHONY: all setup system venv shim test test-systemd test-crio lint unit-py313 run run-system deb rpm srpm rpm-lint rpm-spec-check bench bench-smoke soak clean
+.PHONY: all setup system venv shim test test-systemd test-crio lint unit-py313 run run-system deb rpm srpm rpm-lint test-rpm rpm-spec-check bench bench-smoke soak clean
 
 all: setup
 
@@ -40,9 +40,10 @@ $(SHIM): shim/cni-agent-shim.c shim/Makefile | system
 	$(MAKE) -s -C shim OUT=$(CURDIR)/$(SHIM) EXTRA_CFLAGS=-Werror
 
 lint: setup
-	$(VENV)/bin/ruff check . tools/test-systemd packaging/rpm/pyproject-standin
+	$(VENV)/bin/ruff check . tools/test-systemd tools/test-rpm packaging/rpm/pyproject-standin
 	$(VENV)/bin/mypy
 	$(VENV)/bin/mypy --strict tools/test-systemd
+	$(VENV)/bin/mypy --strict tools/test-rpm
 	$(VENV)/bin/lint-imports --no-logo --no-cache
 
 test: setup $(SHIM) lint unit-py313
@@ -109,6 +110,12 @@ srpm: system
 
 rpm-lint: system
 	tools/rpm-lint
+
+# The RPM under a real systemd (the test-systemd root, with rpm): install,
+# READY, bus policy and polkit, an upgrade with a live sandbox, removal; the
+# report is out/rpm-status.txt. Like test-systemd, beside CI, not in it.
+test-rpm: rpm
+	tools/test-rpm
 
 # The agent on a private bus with the built-in default network; Ctrl-C cleans up.
 # Only what running needs: no test toolchain (podman, debootstrap, rpm,

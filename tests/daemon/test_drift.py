@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import unique_name
+from tests.conftest import machine_wide, unique_name
 from tests.daemon.test_cli import cli
 from tests.daemon.test_http import samples
 from tests.support.agent import Agent, Bus
@@ -36,6 +36,15 @@ needs_191 = pytest.mark.skipif(not (PLUGINS_191 / "portmap").exists(),
                                reason="CNI plugins 1.9.1 not cached (tools/setup-system)")
 PORT = {"portMappings": [{"hostPort": 18431, "containerPort": 80, "protocol": "tcp"}]}
 STAND_IN = Path(__file__).resolve().parents[1] / "support" / "firewalld_standin.py"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_at_a_time() -> Iterator[None]:
+    """test_drift and test_check_honesty take turns (`make test` runs files in
+    parallel): run beside each other, test_drift's portmap CHECKs were seen
+    to flip (a flushed chain's "drifted" back to "ok"), not yet explained."""
+    with machine_wide("drift-checks"):
+        yield
 
 
 @pytest.fixture
@@ -163,7 +172,7 @@ def test_a_flushed_portmap_chain_is_drift_reported_within_the_interval(
     agents.append(agent)
     agent.setup("web", netns, capabilities=PORT)
     # The baseline: the CHECK right after ADD passes with portmap 1.9.1.
-    wait_for(lambda: state(agent, "web") == "ok", timeout=5)
+    wait_for(lambda: state(agent, "web") == "ok", timeout=15)
     [chain] = dnat_chains("web")
     flushed = time.time()
     subprocess.run(["iptables", "-t", "nat", "-F", chain], check=True)  # another tool
@@ -209,7 +218,7 @@ def test_repair_recreates_the_attachment_with_the_same_ip(
     agents.append(agent)
     agent.setup("web", netns, capabilities=PORT)
     ip = addresses(netns)
-    wait_for(lambda: state(agent, "web") == "ok", timeout=5)
+    wait_for(lambda: state(agent, "web") == "ok", timeout=15)
     subprocess.run(["iptables", "-t", "nat", "-F", dnat_chains("web")[0]], check=True)
     wait_for(lambda: repairs(agent, "web") == 1, timeout=6)
     assert state(agent, "web") == "ok"
@@ -233,9 +242,9 @@ def test_without_the_ips_capability_a_drift_is_reported_not_repaired(
     agent = start(tmp_path, system_bus, str(PLUGINS_191), repair=True)
     agents.append(agent)
     agent.setup("web", netns, capabilities=PORT)
-    wait_for(lambda: state(agent, "web") == "ok", timeout=5)
+    wait_for(lambda: state(agent, "web") == "ok", timeout=15)
     subprocess.run(["iptables", "-t", "nat", "-F", dnat_chains("web")[0]], check=True)
-    wait_for(lambda: state(agent, "web") == "drifted", timeout=5)
+    wait_for(lambda: state(agent, "web") == "drifted", timeout=15)
     time.sleep(2.5)
     assert show(agent, "web")["check"]["repairs"] == 0 and dport_rules() == []
     refused = [x for x in agent.log().splitlines() if "not repaired" in x]
@@ -266,7 +275,7 @@ def test_dropped_firewall_plugin_rules_are_drift_and_repaired_with_the_same_ip(
     agent.setup("fw", netns)
     [cidr] = addresses(netns)
     ip = cidr.split("/")[0]
-    wait_for(lambda: state(agent, "fw") == "ok", timeout=5)
+    wait_for(lambda: state(agent, "fw") == "ok", timeout=15)
     rules = pod_forward_rules(ip)
     assert len(rules) == 2
     # What a firewalld reload does to the runtime rules the plugin added (only this
@@ -294,7 +303,7 @@ def test_portmap_1_1_1_is_check_unsupported_and_never_repaired(
     agent = start(tmp_path, system_bus, "/usr/lib/cni", repair=True)  # Debian 12: 1.1.1
     agents.append(agent)
     agent.setup("web", netns, capabilities=PORT)
-    wait_for(lambda: state(agent, "web") == "unsupported", timeout=5)
+    wait_for(lambda: state(agent, "web") == "unsupported", timeout=15)
     assert "could not check ipv6 dnat" in show(agent, "web")["check"]["reason"]
     subprocess.run(["iptables", "-t", "nat", "-F", dnat_chains("web")[0]], check=True)
     time.sleep(3)  # passes run; the failing CHECK is no evidence: nothing is re-created
@@ -341,7 +350,7 @@ def test_firewalld_reloaded_or_restarted_runs_a_pass_at_once(
         agent = start(tmp_path, permissive_bus, "/usr/lib/cni", interval=3600)
         agents.append(agent)
         agent.setup("web", netns)
-        wait_for(lambda: state(agent, "web") == "ok", timeout=5)
+        wait_for(lambda: state(agent, "web") == "ok", timeout=15)
         [ip] = addresses(netns)
         # What a reload does to the firewall plugin's rules, done to the pod's address.
         subprocess.run(["ip", "-n", netns_name(netns), "addr", "del", ip, "dev", "eth0"],
@@ -412,7 +421,7 @@ def test_the_check_cli_reports_drift_and_exits_1(
     good, bad = netns_factory(), netns_factory()
     agent.setup("good", good)
     agent.setup("bad", bad)
-    wait_for(lambda: state(agent, "good") == state(agent, "bad") == "ok", timeout=5)
+    wait_for(lambda: state(agent, "good") == state(agent, "bad") == "ok", timeout=15)
     out = cli(agent, "check")
     assert out.returncode == 0, out.stderr
     [ip] = addresses(bad)

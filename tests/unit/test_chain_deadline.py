@@ -104,6 +104,11 @@ def test_timeouts_name_the_chain_the_plugin_and_the_key() -> None:
     assert isinstance(killed, PluginTimeout) and killed.timeout == 7.25
     assert str(killed) == ("plugin tuning ADD: timed out after 7.25s (process group killed): "
                            "the ADD chain of network pods ran out of its 120s (timeouts.add)")
+    # What a whole 1s chain gave its first plugin, less the moment before it
+    # started, reads as 1s: shown to 10 ms.
+    first = ChainDeadline.starting("ADD", "pods", 1, now=0.0).timed_out("bridge", 0.9994)
+    assert "timed out after 1s (process group killed)" in str(first) and first.timeout == 0.9994
+    assert "after 0.25s" in str(d.timed_out("tuning", 0.2521))
     never = ChainDeadline.starting("DEL", "pods", 60, now=0.0).timed_out("portmap", 0.0)
     assert isinstance(never, PluginTimeout) and never.timeout == 0.0
     assert str(never) == ("plugin portmap DEL: not started: the DEL chain of network pods ran "

@@ -15,7 +15,10 @@ DAEMON_SIDE = ("cni_agent.service", "cni_agent.sandboxes", "cni_agent.readiness"
 
 def loaded_after(code: str) -> list[str]:
     probe = f"{code}\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))"
-    out = subprocess.run([sys.executable, "-I", "-c", probe], capture_output=True, text=True,
+    # -s -P, not -I: isolated from the user's site and the working directory,
+    # but with this interpreter's path (PYTHONPATH: an RPM's %check tests the
+    # buildroot's copy, which no site directory names).
+    out = subprocess.run([sys.executable, "-s", "-P", "-c", probe], capture_output=True, text=True,
                          check=True, env={"PYTHONPATH": ":".join(p for p in sys.path if p)})
     return list(json.loads(out.stdout.splitlines()[-1]))
 

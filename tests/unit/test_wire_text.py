@@ -18,13 +18,23 @@ def marshals(text: str) -> bool:
     return True
 
 
+def valid(text: str) -> bool:
+    """What the D-Bus specification allows in a string: UTF-8 without NUL
+    (dbus-fast before 2.x marshals NULs and lone surrogates all the same)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return "\0" not in text
+
+
 @pytest.mark.parametrize("text", ["plain", "bad\0msg", "lone \ud800 surrogate", "\udcff\0",
                                   "é ü 😀", "x" * 10_000])
 def test_whatever_a_plugin_printed_becomes_a_string_d_bus_carries(text: str) -> None:
     safe = wire_text(text)
     assert marshals(safe)
     assert len(safe) <= 4096 + 1
-    if marshals(text) and len(text) <= 4096:
+    if valid(text) and len(text) <= 4096:
         assert safe == text  # text that is fine already is left alone
 
 

@@ -100,8 +100,11 @@ class ChainDeadline:
                  f"{self.budget:g}s ({_CHAIN_KEYS.get(self.verb, 'timeouts')})")
         if given <= 0:
             return PluginTimeout(plugin, self.verb, 0.0, what=f"not started: {chain}")
+        # To 10 ms: the chain's first plugin gets its whole budget less the
+        # moments before it started, which "0.999s" would only make look odd.
         return PluginTimeout(plugin, self.verb, given,
-                             what=f"timed out after {given:.3g}s (process group killed): {chain}")
+                             what=f"timed out after {round(given, 2):g}s (process group killed): "
+                                  f"{chain}")
 
 
 @dataclass(frozen=True)

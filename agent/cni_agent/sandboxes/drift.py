@@ -177,8 +177,12 @@ class DriftPasses:
         if sandbox_ids is None:
             m.checks.retain({r.sandbox_id for r in records})
         wanted = None if sandbox_ids is None else set(sandbox_ids)
+        # A caller's pass also waits for a sandbox mid-operation (a Setup, a
+        # lost attachment's retry) and looks at it once that is over, as any
+        # request would; a background pass leaves it for next time.
         sids = sorted(r.sandbox_id for r in records
-                      if r.phase is Phase.READY and (wanted is None or r.sandbox_id in wanted))
+                      if (r.phase is Phase.READY or not background)
+                      and (wanted is None or r.sandbox_id in wanted))
         report = PassReport()
         gate = asyncio.Semaphore(self.concurrency)
         wait = 0.0 if background else m.timeouts.lock
