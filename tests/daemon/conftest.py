@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import unique_name
+from tests.conftest import machine_wide, unique_name
 from tests.support.agent import Agent, Bus
 from tests.support.net import delete_link
 from tests.support.plugins import Control, conflist, install_plugin, write_conf
@@ -49,6 +49,15 @@ def open_dir() -> Iterator[Path]:
     os.chmod(d, 0o755)
     yield d
     shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def drift_checks_turn() -> Iterator[None]:
+    """test_drift and test_check_honesty take turns (`make test` runs files in
+    parallel): run beside each other, test_drift's portmap CHECKs were seen
+    to flip (a flushed chain's "drifted" back to "ok"), not yet explained."""
+    with machine_wide("drift-checks"):
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,6 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import machine_wide
 from tests.daemon.conftest import bridge_plugins
 from tests.daemon.test_cli import cli
 from tests.daemon.test_drift import Monitor, attachment, metric, show
@@ -33,19 +32,10 @@ from tests.support.net import addresses, allocations, link_exists
 from tests.support.plugins import Control, conflist, wait_for, write_conf
 from tests.support.state import record
 
-pytestmark = pytest.mark.root
+pytestmark = [pytest.mark.root, pytest.mark.usefixtures("drift_checks_turn")]
 ERR = "org.cniagent.Agent1.Error."
 SUBNET = "10.92.6.0/24"
 REPAIRS = ("ok", "unverified", "new_address", "refused", "failed", "retry_ok", "retry_failed")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_at_a_time() -> Iterator[None]:
-    """test_drift and test_check_honesty take turns (`make test` runs files in
-    parallel): run beside each other, test_drift's portmap CHECKs were seen
-    to flip (a flushed chain's "drifted" back to "ok"), not yet explained."""
-    with machine_wide("drift-checks"):
-        yield
 
 
 @pytest.fixture

@@ -22,29 +22,20 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import machine_wide, unique_name
+from tests.conftest import unique_name
 from tests.daemon.test_cli import cli
 from tests.daemon.test_http import samples
 from tests.support.agent import Agent, Bus
 from tests.support.net import addresses, allocations, delete_link, netns_name
 from tests.support.plugins import Control, conflist, wait_for, write_conf
 
-pytestmark = pytest.mark.root
+pytestmark = [pytest.mark.root, pytest.mark.usefixtures("drift_checks_turn")]
 
 PLUGINS_191 = Path("/var/cache/cni-agent-tests/cni-plugins-1.9.1")
 needs_191 = pytest.mark.skipif(not (PLUGINS_191 / "portmap").exists(),
                                reason="CNI plugins 1.9.1 not cached (tools/setup-system)")
 PORT = {"portMappings": [{"hostPort": 18431, "containerPort": 80, "protocol": "tcp"}]}
 STAND_IN = Path(__file__).resolve().parents[1] / "support" / "firewalld_standin.py"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_at_a_time() -> Iterator[None]:
-    """test_drift and test_check_honesty take turns (`make test` runs files in
-    parallel): run beside each other, test_drift's portmap CHECKs were seen
-    to flip (a flushed chain's "drifted" back to "ok"), not yet explained."""
-    with machine_wide("drift-checks"):
-        yield
 
 
 @pytest.fixture

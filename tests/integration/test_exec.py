@@ -21,7 +21,7 @@ from cni_agent.cni.errors import (
     PluginUnsafe,
 )
 from cni_agent.cni.exec import Invocation, PluginLookups, ProcessExecutor, decode_json, find_plugin
-from tests.support.plugins import Control
+from tests.support.plugins import Control, shell_plugin
 
 ADD = Invocation("ADD", "c1", "/run/netns/x", "eth0", "A=1", "/usr/lib/cni")
 
@@ -234,25 +234,16 @@ def test_a_remembered_lookup_sees_every_change_a_fresh_one_would(tmp_path: Path,
         lookups.find("testplug", dirs, "ADD")
 
 
-def _script(tmp_path: Path, name: str, body: str) -> str:
-    bindir = tmp_path / "scripts"
-    bindir.mkdir(mode=0o755, exist_ok=True)
-    script = bindir / name
-    script.write_text("#!/bin/sh\n" + body)
-    script.chmod(0o755)
-    return str(script)
-
-
 async def test_stdin_larger_than_a_pipe_is_fed_whole(tmp_path: Path) -> None:
     """Most configs fit the pipe before the plugin starts; a larger one is fed as it reads."""
-    binary = _script(tmp_path, "count", "wc -c\n")
+    binary = shell_plugin(tmp_path, "count", "wc -c\n")
     stdin = b"x" * (1024 * 1024 + 17)
     out = await ProcessExecutor().execute("count", binary, ADD, stdin, 10)
     assert int(out) == len(stdin)
 
 
 async def test_plugin_that_never_reads_stdin(tmp_path: Path) -> None:
-    binary = _script(tmp_path, "deaf", "echo '{}'\n")
+    binary = shell_plugin(tmp_path, "deaf", "echo '{}'\n")
     out = await ProcessExecutor().execute("deaf", binary, ADD, b"y" * (1024 * 1024), 10)
     assert out.strip() == b"{}"
 
@@ -260,7 +251,7 @@ async def test_plugin_that_never_reads_stdin(tmp_path: Path) -> None:
 async def test_plugins_run_in_the_agents_directory_with_default_sigpipe(tmp_path: Path) -> None:
     """posix_spawn: the cwd is inherited (the daemon's is /) and SIGPIPE, which
     Python ignores, is back to default, as Popen's restore_signals did."""
-    binary = _script(tmp_path, "where", "pwd; grep SigIgn /proc/self/status\n")
+    binary = shell_plugin(tmp_path, "where", "pwd; grep SigIgn /proc/self/status\n")
     out = (await ProcessExecutor().execute("where", binary, ADD, b"{}", 10)).decode().split()
     assert out[0] == os.getcwd()
     assert not int(out[2], 16) & (1 << (13 - 1))  # SIGPIPE is signal 13
@@ -289,7 +280,7 @@ async def test_cancelled_execution_kills_the_group(plugin_dir: Path, control: Co
 async def test_output_larger_than_a_pipe_is_read_whole(tmp_path: Path) -> None:
     """A plugin blocked writing more than a pipe holds never exits on its own:
     its pipes are watched once it runs longer than a fast plugin would."""
-    binary = _script(tmp_path, "big", "head -c 3000000 /dev/zero | tr '\\0' x\n"
+    binary = shell_plugin(tmp_path, "big", "head -c 3000000 /dev/zero | tr '\\0' x\n"
                                       "head -c 1500000 /dev/zero | tr '\\0' y >&2\n")
     executor = ProcessExecutor(max_stdout=4_000_000, max_stderr=2_000_000)
     child = await executor._spawn("big", binary, ADD, b"{}")
@@ -305,7 +296,7 @@ async def test_a_plugin_is_done_when_it_exits_and_its_group_goes_with_it(tmp_pat
     killed with the plugin's group (issue 36: it used to hold the call until it
     closed stdout)."""
     pidfile = tmp_path / "child.pid"
-    binary = _script(tmp_path, "late", f"(sleep 30; echo late) &\necho $! > {pidfile}\n"
+    binary = shell_plugin(tmp_path, "late", f"(sleep 30; echo late) &\necho $! > {pidfile}\n"
                                        "echo '{\"early\": true}'\nexit 0\n")
     out = await asyncio.wait_for(ProcessExecutor().execute("late", binary, ADD, b"{}", 60), 20)
     assert json.loads(out) == {"early": True}

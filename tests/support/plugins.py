@@ -65,6 +65,16 @@ class Control:
         self.record.unlink(missing_ok=True)
 
 
+def shell_plugin(tmp_path: Path, name: str, body: str) -> str:
+    """An executable /bin/sh script `name` (in tmp_path/scripts) running `body`."""
+    bindir = tmp_path / "scripts"
+    bindir.mkdir(mode=0o755, exist_ok=True)
+    script = bindir / name
+    script.write_text("#!/bin/sh\n" + body)
+    script.chmod(0o755)
+    return str(script)
+
+
 def ns_key(path: str) -> list[int]:
     """What a test plugin record's `netns_ino` is for the namespace at `path`."""
     st = os.stat(path)

@@ -17,24 +17,16 @@ import pytest
 from cni_agent.cni import leftovers, spawn
 from cni_agent.cni.exec import Invocation, ProcessExecutor
 from cni_agent.cni.logctx import ContextFields, log_fields
+from tests.support.plugins import shell_plugin
 
 ADD = Invocation("ADD", "c1", "/run/netns/x", "eth0", "A=1", "/usr/lib/cni")
-
-
-def _script(tmp_path: Path, name: str, body: str) -> str:
-    bindir = tmp_path / "bin"
-    bindir.mkdir(mode=0o755, exist_ok=True)
-    script = bindir / name
-    script.write_text("#!/bin/sh\n" + body)
-    script.chmod(0o755)
-    return str(script)
 
 
 @pytest.mark.parametrize("size", [0, 1, select.PIPE_BUF - 1, select.PIPE_BUF,
                                   select.PIPE_BUF + 1, 65536, 65537, 300_000])
 async def test_stdin_of_any_size_arrives_whole(tmp_path: Path, size: int) -> None:
     """Up to PIPE_BUF is written before the spawn on the blocking end; more is fed."""
-    binary = _script(tmp_path, "cat", "cat\n")
+    binary = shell_plugin(tmp_path, "cat", "cat\n")
     stdin = bytes(i % 251 for i in range(size))
     assert await ProcessExecutor(max_stdout=1 << 20).execute("cat", binary, ADD, stdin, 10) == stdin
 
@@ -42,7 +34,7 @@ async def test_stdin_of_any_size_arrives_whole(tmp_path: Path, size: int) -> Non
 @pytest.mark.parametrize("size", [0, 1, 65535, 65536, 65537, 131072, 200_000])
 async def test_output_at_a_chunks_edge_is_read_to_the_byte(tmp_path: Path, size: int) -> None:
     """A short read empties the pipe once the plugin is gone; a full one reads on."""
-    binary = _script(tmp_path, "out", f"head -c {size} /dev/zero | tr '\\0' o\n"
+    binary = shell_plugin(tmp_path, "out", f"head -c {size} /dev/zero | tr '\\0' o\n"
                                       f"head -c {size} /dev/zero | tr '\\0' e >&2\nexit 3\n")
     executor = ProcessExecutor(max_stdout=1 << 20, max_stderr=1 << 20)
     child = await executor._spawn("out", binary, ADD, b"{}")
@@ -55,7 +47,7 @@ async def test_output_at_a_chunks_edge_is_read_to_the_byte(tmp_path: Path, size:
 async def test_runs_of_one_invocation_share_its_variables_and_each_has_its_token(
         tmp_path: Path) -> None:
     dump = tmp_path / "env"
-    binary = _script(tmp_path, "env", f"env >> {dump}\necho --- >> {dump}\n")
+    binary = shell_plugin(tmp_path, "env", f"env >> {dump}\necho --- >> {dump}\n")
     executor = ProcessExecutor(instance="inst")
     other = Invocation("DEL", "c2", "", "eth1", "", "/opt/cni/bin")
     for inv in (ADD, ADD, other, ADD):
@@ -72,7 +64,7 @@ async def test_runs_of_one_invocation_share_its_variables_and_each_has_its_token
 
 async def test_concurrent_runs_each_get_their_own_token(tmp_path: Path) -> None:
     """One environment dict serves a chain; each spawn sets its token first."""
-    binary = _script(tmp_path, "tok", 'sleep 0.05; echo "$CNI_AGENT_RUN"\n')
+    binary = shell_plugin(tmp_path, "tok", 'sleep 0.05; echo "$CNI_AGENT_RUN"\n')
     executor = ProcessExecutor()
     outs = await asyncio.gather(*(executor.execute("tok", binary, ADD, b"{}", 10)
                                   for _ in range(8)))
@@ -80,7 +72,7 @@ async def test_concurrent_runs_each_get_their_own_token(tmp_path: Path) -> None:
 
 
 async def test_exits_are_seen_on_a_second_loop_and_in_another_thread(tmp_path: Path) -> None:
-    binary = _script(tmp_path, "ok", "echo '{}'\n")
+    binary = shell_plugin(tmp_path, "ok", "echo '{}'\n")
     executor = ProcessExecutor()
 
     def elsewhere() -> bytes:
