@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import queue
@@ -246,14 +247,7 @@ class AppendLog:
         call on the loop with its outcome. Commits waiting meanwhile that it
         covers end with it."""
         paths, dir_fd, done = self._batch()
-
-        def job() -> None:
-            for path in paths:
-                _sync_file(path)
-            if dir_fd >= 0:
-                os.fsync(dir_fd)
-
-        return job, done
+        return functools.partial(_sync_all, paths, dir_fd), done
 
     def _batch(self) -> tuple[list[str], int, Callable[[BaseException | None], None]]:
         """What a sync of every line appended so far covers (the files, the
@@ -290,14 +284,8 @@ class AppendLog:
         kernel = self._kernel_sync()
         if kernel is not None and kernel.submit(paths, dir_fd, done):
             return
-
-        def job() -> None:
-            for path in paths:
-                _sync_file(path)
-            if dir_fd >= 0:
-                os.fsync(dir_fd)
-
-        self._committer.submit(job, lambda _, error: done(error))
+        self._committer.submit(functools.partial(_sync_all, paths, dir_fd),
+                               lambda _, error: done(error))
 
     def _kernel_sync(self) -> KernelSync | None:
         """The kernel's asynchronous fdatasync (`aiosync`), made on first use;
@@ -422,6 +410,15 @@ class AppendLog:
             with contextlib.suppress(OSError):
                 os.close(self._dir_fd)
         self._dir_fd = -1
+
+
+def _sync_all(paths: list[str], dir_fd: int) -> None:
+    """What one commit syncs, on a thread: the segments, then the directory
+    (-1: nothing of it changed)."""
+    for path in paths:
+        _sync_file(path)
+    if dir_fd >= 0:
+        os.fsync(dir_fd)
 
 
 def _sync_file(path: str) -> None:

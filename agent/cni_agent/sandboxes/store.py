@@ -24,6 +24,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 
+from cni_agent.cni.cache import fsync_dir
 from cni_agent.cni.errors import CacheError
 from cni_agent.node import applog
 from cni_agent.node.applog import AppendLog
@@ -111,7 +112,7 @@ class SandboxStore:
             for path in imported:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
-            _fsync_dir(self.legacy_dir)  # else a power loss could bring them back, stale
+            fsync_dir(self.legacy_dir)  # else a power loss could bring them back, stale
             log.info("imported %d sandbox record(s) of an earlier version from %s into %s",
                      len(imported), self.legacy_dir, self.dir)
         self._log = wal
@@ -455,22 +456,14 @@ def _take_mark(path: str) -> int | None:
         os.unlink(path)
     except FileNotFoundError:
         return None
-    _fsync_dir(os.path.dirname(path))
+    fsync_dir(os.path.dirname(path))
     return made
 
 
 def _leave_mark(path: str) -> None:
     """The mark, durably: the next start finds it unless a crash came first."""
     os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
-    _fsync_dir(os.path.dirname(path))
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(os.path.dirname(path))
 
 
 def _keep(directory: str, sandbox_id: str, data: bytes) -> str:
