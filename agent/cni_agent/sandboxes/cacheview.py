@@ -45,6 +45,7 @@ def agree(store: SandboxStore, cache: ResultCache) -> list[str]:
     entries = {(e.container_id, e.network, e.ifname): e for e in found}
     for rec in list(store.records()):
         atts = list(rec.attachments)
+        taken_in = False
         for i, a in enumerate(atts):
             if trusted and os.path.basename(cache.path(a.network, rec.sandbox_id,
                                                        a.ifname)) in taken:
@@ -53,14 +54,14 @@ def agree(store: SandboxStore, cache: ResultCache) -> list[str]:
             if a.result is None and a.lost is None and entry is not None \
                     and entry.result is not None:
                 atts[i] = replace(a, result=dict(entry.result))
+                taken_in = True
             elif a.result is not None and a.phase is Phase.READY and a.lost is None and (
                     entry is None or entry.result != a.result):
                 note = _write_again(cache, rec, a)
                 notes.append(note or f"sandbox {rec.sandbox_id}: the cache entry of "
                              f"{a.network}/{a.ifname} was missing or damaged; written "
                              "again from the journal")
-        if atts != list(rec.attachments) or any(
-                x.result is not y.result for x, y in zip(atts, rec.attachments, strict=True)):
+        if taken_in:
             store.write(replace(rec, attachments=tuple(atts)))
     if bad:
         notes.append(f"{len(bad)} unreadable cache entr{'y' if len(bad) == 1 else 'ies'} "
