@@ -137,10 +137,12 @@ class SandboxManager:
 
     # --- shared steps -----------------------------------------------------------
 
-    async def recovered(self, deadline: float) -> None:
+    async def recovered(self, deadline: float | None = None) -> None:
         """Until start-up recovery is over (records are read only then); Busy at
-        `deadline` (loop time)."""
+        `deadline` (loop time; default: `timeouts.lock` from now)."""
         if not self.reaper.recovered.is_set():
+            if deadline is None:
+                deadline = asyncio.get_running_loop().time() + self.timeouts.lock
             try:
                 async with asyncio.timeout_at(deadline):
                     await self.reaper.recovered.wait()
@@ -485,7 +487,7 @@ class SandboxManager:
     async def show(self, sandbox_id: str, caller: Caller = ROOT) -> dict[str, Any]:
         with classified():
             sid = self.own_id(caller, sandbox_id)
-            await self.recovered(asyncio.get_running_loop().time() + self.timeouts.lock)
+            await self.recovered()
             # No lock here: a damaged record is reported, and left to be set aside
             # by the next operation or reaping pass that holds the sandbox's lock.
             rec, entries = await self.journal.view(sid, repair=False)
@@ -498,7 +500,7 @@ class SandboxManager:
         return shown(caller, doc)
 
     async def list(self, caller: Caller = ROOT) -> list[str]:
-        await self.recovered(asyncio.get_running_loop().time() + self.timeouts.lock)
+        await self.recovered()
         # A caller that is not root sees its own records only (by name).
         records = self.journal.store.records(Policy.own_prefix(caller))
         if not caller.root:
