@@ -40,6 +40,7 @@ import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 from cni_agent.api import ERROR_PREFIX, AgentError, ErrorKind
 from cni_agent.sandboxes.policy import Caller, Role, cnicall_scope
@@ -295,8 +296,8 @@ class _Connection(asyncio.Protocol):
         self.task: asyncio.Task[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's stream transport is not an asyncio.Transport subclass; it has its methods.
+        self.transport = transport = cast(asyncio.Transport, transport)
         try:
             self.credentials = peer_credentials(transport.get_extra_info("socket"))
         except OSError as e:  # not a connection a process made
