@@ -70,6 +70,11 @@ class AccessConfig:
     networks: tuple[str, ...] = ()
     capabilities: tuple[str, ...] = ()
     max_sandboxes: int = 16
+    # Attachments one such uid may hold across its sandboxes (Setup and Attach alike).
+    max_attachments: int = 16
+    # The share of a network's addresses (where its IPAM config gives the pool
+    # size) all such callers together may hold: the rest is root's reserve.
+    members_share: float = 0.5
 
 
 @dataclass(frozen=True)
@@ -252,6 +257,13 @@ def _at_least(least: int) -> Callable[[str, str, Any], int]:
 _positive_int, _count = _at_least(1), _at_least(0)
 
 
+def _share(source: str, key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+        raise _fail(source, key, f"must be a number from 0 to 1 (a share of a network's "
+                                 f"addresses, 0.5 for half), not {_shown(value)}")
+    return float(value)
+
+
 def _log_level(source: str, key: str, value: Any) -> str:
     text = _string(source, key, value).lower()
     if text not in LOG_LEVELS:
@@ -278,7 +290,8 @@ _SECTIONS: dict[str, tuple[type[Any], Mapping[str, _Check]]] = {
     "timeouts": (TimeoutsConfig, {"del" if f.name == "delete" else f.name: _duration
                                   for f in dataclasses.fields(TimeoutsConfig)}),
     "access": (AccessConfig, {"groups": _str_list, "networks": _str_list,
-                              "capabilities": _str_list, "max_sandboxes": _count}),
+                              "capabilities": _str_list, "max_sandboxes": _count,
+                              "max_attachments": _count, "members_share": _share}),
     "gc": (GCConfig, {"networks": _str_list, "interval": _duration}),
     "check": (CheckConfig, {"interval": _duration, "repair": _bool,
                             "repair_new_address": _bool, "concurrency": _positive_int}),

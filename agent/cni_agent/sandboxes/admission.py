@@ -1,20 +1,27 @@
 """The counts behind the policy's bounds on callers that are not root.
 
-How many sandboxes a uid holds (`access.max_sandboxes`) and which host ports
-other sandboxes map (a member never takes one) are read from the records —
-a member's own by their names, every record only when it asks for a port —
+How many sandboxes a uid holds (`access.max_sandboxes`), how many
+attachments (`access.max_attachments`), how many of a network's addresses
+all non-root callers hold (`access.members_share`, where its pool size is
+known: `cni.pool`) and which host ports other sandboxes map (a member never
+takes one) are read from the records — a member's own by their names, every
+record only when it asks for a port or joins a network of known pool size —
 plus the claims of the calls under way, taken before the records are read:
-two concurrent calls can never both pass. Root's calls skip all of it.
+two concurrent calls can never both pass. An attachment is counted once by
+(sandbox, ifname), whether a record, a claim or both hold it. Root's calls
+skip all of it.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Collection, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from cni_agent.cni.config import NetworkConfigList
 from cni_agent.cni.errors import InvalidArgument
+from cni_agent.cni.pool import Pool, pool_of
 from cni_agent.sandboxes.policy import Caller, Policy, denied, host_ports
 from cni_agent.sandboxes.records import SandboxRecord
 from cni_agent.sandboxes.store import SandboxStore
@@ -25,6 +32,8 @@ class _Claim:
     uid: int
     new_sandbox: bool
     ports: frozenset[tuple[int, str]]
+    # (ifname, network) of each attachment the call adds.
+    attaching: frozenset[tuple[str, str]] = frozenset()
 
 
 class Admission:
@@ -34,15 +43,19 @@ class Admission:
 
     @asynccontextmanager
     async def admitted(self, caller: Caller, policy: Policy, sandbox_id: str,
-                       capabilities: Mapping[str, Any], new_sandbox: bool) -> AsyncIterator[None]:
-        """Hold a place for this call (its sandbox, if new, and its host ports)
-        until it ends; Busy over the quota, AccessDenied for a port another
-        sandbox maps. By then the call's record is on disk, or nothing is."""
+                       capabilities: Mapping[str, Any], new_sandbox: bool,
+                       attaching: Sequence[tuple[str, NetworkConfigList]] = ()
+                       ) -> AsyncIterator[None]:
+        """Hold a place for this call (its sandbox, if new, its attachments
+        `attaching` (ifname, network) and its host ports) until it ends; Busy
+        over a quota or a network's members' share, AccessDenied for a port
+        another sandbox maps. By then the call's record is on disk, or nothing is."""
         if caller.root:
             yield
             return
         ports = frozenset(host_ports(capabilities))
-        claim = _Claim(caller.uid, new_sandbox, ports)
+        claim = _Claim(caller.uid, new_sandbox, ports,
+                       frozenset((ifname, net.name) for ifname, net in attaching))
         for sid, other in self._claims.items():
             if sid != sandbox_id and (taken := ports & other.ports):
                 raise _port_taken(min(taken))
@@ -51,6 +64,8 @@ class Admission:
         self._claims[sandbox_id] = claim
         try:
             await self._check(caller, policy, sandbox_id, claim)
+            self._check_attachments(caller, policy, sandbox_id, claim,
+                                    {net.name: pool_of(net) for _, net in attaching})
             yield
         finally:
             del self._claims[sandbox_id]
@@ -66,6 +81,51 @@ class Admission:
             for rec in self.store.records():
                 if rec.sandbox_id != sandbox_id and (taken := claim.ports & _mapped(rec)):
                     raise _port_taken(min(taken))
+
+
+    def _check_attachments(self, caller: Caller, policy: Policy, sandbox_id: str, claim: _Claim,
+                           pools: Mapping[str, Pool | None]) -> None:
+        """`access.max_attachments` for the caller's uid, then
+        `access.members_share` for each network of known pool size it joins."""
+        if not claim.attaching:
+            return
+        mine = set(_held(self.store.records(Policy.own_prefix(caller))))
+        mine |= {(sid, ifname) for sid, c in self._claims.items()
+                 if sid != sandbox_id and c.uid == caller.uid for ifname, _ in c.attaching}
+        mine -= {(sandbox_id, ifname) for ifname, _ in claim.attaching}  # counted as `adding`
+        policy.attachments(caller, len(mine), len(claim.attaching))
+        known = {name for name, pool in pools.items() if pool is not None}
+        if not known:
+            return
+        on: dict[str, set[tuple[str, str]]] = {name: set() for name in known}
+        members = (rec for rec in self.store.records() if rec.owner != 0)
+        for sid, ifname, network in _held_on(members, known):
+            on[network].add((sid, ifname))
+        for sid, c in self._claims.items():  # every claim is a non-root caller's
+            if sid != sandbox_id:
+                for ifname, network in c.attaching:
+                    if network in on:
+                        on[network].add((sid, ifname))
+        for name in sorted(known):
+            adding = {(sandbox_id, ifname) for ifname, net in claim.attaching if net == name}
+            held = on[name] - adding
+            policy.addresses(caller, name, pools[name], len(held), len(adding))
+
+
+def _held(records: Iterable[SandboxRecord]) -> Iterable[tuple[str, str]]:
+    """(sandbox, ifname) of every attachment, whatever its phase: one not yet
+    added or being removed may hold its address all the same."""
+    for rec in records:
+        for att in rec.attachments:
+            yield rec.sandbox_id, att.ifname
+
+
+def _held_on(records: Iterable[SandboxRecord], networks: Collection[str]
+             ) -> Iterable[tuple[str, str, str]]:
+    for rec in records:
+        for att in rec.attachments:
+            if att.network in networks:
+                yield rec.sandbox_id, att.ifname, att.network
 
 
 def _mapped(rec: SandboxRecord) -> set[tuple[int, str]]:

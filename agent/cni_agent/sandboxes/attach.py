@@ -150,6 +150,10 @@ class Attachments:
             raise AgentError(ErrorKind.INVALID_ARGUMENT,
                              f"sandbox {req.sandbox_id} has a cached {att.network}/{att.ifname} "
                              "from another tool or an older run; DEL it first")
+        if rec is not None:  # a second interface on a network it has: not for members
+            Policy.once_per_sandbox(req.caller, req.sandbox_id,
+                                    [*(a.network for a in rec.attachments), att.network],
+                                    field="network")
         new = rec is None
         if rec is None:
             rec = SandboxRecord(req.sandbox_id, req.netns, ns.identity, (), owner=req.caller.uid)
@@ -158,7 +162,7 @@ class Attachments:
                         att.ifname, req.sandbox_id, e)
 
         async with m.admission.admitted(req.caller, m.policy, req.sandbox_id, req.capabilities,
-                                        new_sandbox=new):
+                                        new_sandbox=new, attaching=[(att.ifname, net)]):
             # A new sandbox: lo first, before an intent exists (nothing to undo).
             [result] = await m.add_new(rec, [att], [net], ns, loopback=new, failed=failed)
         log.info("sandbox %s: %s/%s attached", req.sandbox_id, att.network, att.ifname)

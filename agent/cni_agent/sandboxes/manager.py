@@ -266,6 +266,7 @@ class SandboxManager:
             nets = [self.resolve(r) for r in requests]
             for net in nets:
                 self.policy.network(req.caller, net.name)
+            Policy.once_per_sandbox(req.caller, req.sandbox_id, [net.name for net in nets])
             args = tuple(build_cni_args(req.args, req.pod, req.sandbox_id))
             caps = self.capabilities_for(req.capabilities)
             new = tuple(Attachment(net.name, r.ifname, net.bytes, args, caps)
@@ -286,8 +287,10 @@ class SandboxManager:
                         raise AgentError(ErrorKind.INVALID_ARGUMENT,
                                          f"sandbox {req.sandbox_id} has cached attachments from another "
                                          "tool or an older run; tear it down first")
-                    async with self.admission.admitted(req.caller, self.policy, req.sandbox_id,
-                                                       req.capabilities, new_sandbox=True):
+                    async with self.admission.admitted(
+                            req.caller, self.policy, req.sandbox_id, req.capabilities,
+                            new_sandbox=True,
+                            attaching=[(a.ifname, net) for a, net in zip(new, nets, strict=True)]):
                         return await self._add_all(
                             SandboxRecord(req.sandbox_id, req.netns, ns.identity, (), digest,
                                           owner=req.caller.uid), new, nets, ns)

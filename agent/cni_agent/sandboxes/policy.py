@@ -16,7 +16,11 @@ CVE-2026-39402); this module is stricter than both:
   world-readable), only on the networks the admin opened to it
   (`access.networks`, default none), passing only the capabilities the admin
   allowed (`access.capabilities`, default none; host ports never below 1024),
-  holding at most `access.max_sandboxes` sandboxes;
+  holding at most `access.max_sandboxes` sandboxes and `access.max_attachments`
+  attachments, each network at most once per sandbox (`attachments`), and all
+  such callers together at most `access.members_share` of a network's
+  addresses where its config gives the pool size (`addresses`): the rest is
+  root's reserve;
 - node-wide state (Reload, pod CIDRs) is root's (or polkit's `configure`,
   which the package's rule never grants to the group);
 - anyone may read: properties, WaitReady, the shim's STATUS and VERSION.
@@ -24,7 +28,7 @@ CVE-2026-39402); this module is stricter than both:
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum, StrEnum
 from typing import Any
@@ -32,6 +36,7 @@ from typing import Any
 from cni_agent.api import AgentError, ErrorKind
 from cni_agent.cni.args import MAX_CONTAINER_ID
 from cni_agent.cni.errors import InvalidArgument
+from cni_agent.cni.pool import Pool
 
 
 class Role(StrEnum):
@@ -123,11 +128,15 @@ class Policy:
     open_networks: frozenset[str] = frozenset()
     open_capabilities: frozenset[str] = frozenset()
     max_sandboxes: int = 16
+    max_attachments: int = 16
+    members_share: float = 0.5
 
     @classmethod
     def of(cls, networks: Iterable[str] = (), capabilities: Iterable[str] = (),
-           max_sandboxes: int = 16) -> Policy:
-        return cls(frozenset(networks), frozenset(capabilities), max_sandboxes)
+           max_sandboxes: int = 16, max_attachments: int = 16,
+           members_share: float = 0.5) -> Policy:
+        return cls(frozenset(networks), frozenset(capabilities), max_sandboxes,
+                   max_attachments=max_attachments, members_share=members_share)
 
     # --- methods ---------------------------------------------------------------------
 
@@ -276,6 +285,50 @@ class Policy:
             return
         raise AgentError(ErrorKind.BUSY, f"uid {caller.uid} holds {held} sandbox(es), the most "
                                          f"access.max_sandboxes allows ({self.max_sandboxes})")
+
+    # --- attachments and addresses (issue 44) -------------------------------------------
+
+    @staticmethod
+    def once_per_sandbox(caller: Caller, sandbox_id: str, networks: Sequence[str],
+                         field: str = "networks") -> None:
+        """A non-root caller's sandbox has each network at most once (`networks`:
+        what it has and what the call adds): a second interface on a network
+        is a second address of its pool, which the quotas must not be the only
+        bound on. Root keeps whatever it asks for."""
+        if caller.root:
+            return
+        seen: set[str] = set()
+        for name in networks:
+            if name in seen:
+                raise InvalidArgument(field, f"network {name} twice in sandbox "
+                                             f"{Policy.shown(caller, sandbox_id)}: callers that are "
+                                             "not root attach a sandbox to each network once")
+            seen.add(name)
+
+    def attachments(self, caller: Caller, held: int, adding: int) -> None:
+        """`access.max_attachments`: what one non-root uid holds across all its
+        sandboxes (`held`, calls under way included) once this call's `adding` are in."""
+        if caller.root or held + adding <= self.max_attachments:
+            return
+        raise AgentError(ErrorKind.BUSY, f"uid {caller.uid} holds {held} attachment(s); {adding} "
+                                         "more would pass the most access.max_attachments allows "
+                                         f"({self.max_attachments})")
+
+    def addresses(self, caller: Caller, network: str, pool: Pool | None, held: int,
+                  adding: int) -> None:
+        """`access.members_share`: all non-root callers together (`held`
+        attachments on `network`, calls under way included) keep to that share
+        of each of its range sets, so the rest is root's; no limit where the
+        pool size is unknown (`pool` None: the per-uid quotas alone apply)."""
+        if caller.root or pool is None:
+            return
+        most = pool.share(self.members_share)
+        if held + adding <= most:
+            return
+        raise AgentError(ErrorKind.BUSY, f"network {network}: callers that are not root hold "
+                                         f"{held} of its {pool.size} addresses; the most "
+                                         f"access.members_share ({self.members_share:g}) allows "
+                                         f"them is {most}, the rest is kept for root")
 
 
 # CNI_ARGS keys the reference plugins read as the capability does (host-local
