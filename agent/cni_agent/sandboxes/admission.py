@@ -14,7 +14,7 @@ skip all of it.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Collection, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -82,50 +82,42 @@ class Admission:
                 if rec.sandbox_id != sandbox_id and (taken := claim.ports & _mapped(rec)):
                     raise _port_taken(min(taken))
 
-
     def _check_attachments(self, caller: Caller, policy: Policy, sandbox_id: str, claim: _Claim,
                            pools: Mapping[str, Pool | None]) -> None:
         """`access.max_attachments` for the caller's uid, then
         `access.members_share` for each network of known pool size it joins."""
         if not claim.attaching:
             return
+        adding = {(sandbox_id, ifname) for ifname, _ in claim.attaching}
         mine = set(_held(self.store.records(Policy.own_prefix(caller))))
         mine |= {(sid, ifname) for sid, c in self._claims.items()
                  if sid != sandbox_id and c.uid == caller.uid for ifname, _ in c.attaching}
-        mine -= {(sandbox_id, ifname) for ifname, _ in claim.attaching}  # counted as `adding`
-        policy.attachments(caller, len(mine), len(claim.attaching))
-        known = {name for name, pool in pools.items() if pool is not None}
-        if not known:
-            return
-        on: dict[str, set[tuple[str, str]]] = {name: set() for name in known}
+        policy.attachments(caller, len(mine - adding), len(adding))
+        for name, pool in sorted(pools.items()):
+            if pool is not None:
+                joining = {(sandbox_id, ifname) for ifname, net in claim.attaching if net == name}
+                held = self._members_on(name, sandbox_id) - joining
+                policy.addresses(caller, name, pool, len(held), len(joining))
+
+    def _members_on(self, network: str, sandbox_id: str) -> set[tuple[str, str]]:
+        """(sandbox, ifname) of every attachment on `network` callers that are
+        not root hold or are adding (other than this call's)."""
         members = (rec for rec in self.store.records() if rec.owner != 0)
-        for sid, ifname, network in _held_on(members, known):
-            on[network].add((sid, ifname))
+        held = set(_held(members, network))
         for sid, c in self._claims.items():  # every claim is a non-root caller's
             if sid != sandbox_id:
-                for ifname, network in c.attaching:
-                    if network in on:
-                        on[network].add((sid, ifname))
-        for name in sorted(known):
-            adding = {(sandbox_id, ifname) for ifname, net in claim.attaching if net == name}
-            held = on[name] - adding
-            policy.addresses(caller, name, pools[name], len(held), len(adding))
+                held |= {(sid, ifname) for ifname, net in c.attaching if net == network}
+        return held
 
 
-def _held(records: Iterable[SandboxRecord]) -> Iterable[tuple[str, str]]:
-    """(sandbox, ifname) of every attachment, whatever its phase: one not yet
-    added or being removed may hold its address all the same."""
+def _held(records: Iterable[SandboxRecord], network: str = "") -> Iterable[tuple[str, str]]:
+    """(sandbox, ifname) of every attachment (on `network`, unless ""),
+    whatever its phase: one not yet added or being removed may hold its
+    address all the same."""
     for rec in records:
         for att in rec.attachments:
-            yield rec.sandbox_id, att.ifname
-
-
-def _held_on(records: Iterable[SandboxRecord], networks: Collection[str]
-             ) -> Iterable[tuple[str, str, str]]:
-    for rec in records:
-        for att in rec.attachments:
-            if att.network in networks:
-                yield rec.sandbox_id, att.ifname, att.network
+            if not network or att.network == network:
+                yield rec.sandbox_id, att.ifname
 
 
 def _mapped(rec: SandboxRecord) -> set[tuple[int, str]]:
