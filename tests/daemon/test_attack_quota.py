@@ -11,6 +11,7 @@ as a descriptor, the real bridge + host-local with that 12-address range.
 from __future__ import annotations
 
 import json
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import pytest
 from tests.conftest import unique_name
 from tests.daemon.test_attack_members import second_member  # noqa: F401 (a fixture)
 from tests.daemon.test_hostile_callers import member_python
+from tests.daemon.test_polkit import polkit, users  # noqa: F401 (fixtures)
 from tests.daemon.test_owners import cli, links, own_netns
 from tests.support.agent import Agent, Bus, options
 from tests.support.net import addresses, allocations, delete_link
@@ -233,3 +235,36 @@ def test_members_keep_to_their_share_and_roots_setup_still_gets_an_address(
     finally:
         alice.kill()
         bob.kill()
+
+
+def test_a_polkit_delegate_counts_as_a_member(
+    make_agent: Callable[..., Agent], permissive_bus: Bus, tiny: str, member: str, netns: str,
+    users: tuple[str, str], polkit: Callable[[Bus], subprocess.Popen[bytes]],  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    delegate = users[0]  # an admin's polkit rule grants it manage; not in access.groups
+    polkit(permissive_bus)
+    agent = make_agent(bus=permissive_bus, access={"groups": [member], "networks": ["tiny"],
+                                                   "members_share": 0.25})  # 3 of 12
+    ours, theirs = own_netns(member), own_netns(delegate)
+    try:
+        for i in range(2):
+            assert cli(agent, member, "setup", f"m{i}", f"/proc/{ours.pid}/ns/net",
+                       "--network", f"tiny:e{i}").returncode == 0
+        dpath = f"/proc/{theirs.pid}/ns/net"
+        out = cli(agent, delegate, "setup", "d0", dpath, "--network", "tiny:e0",
+                  "--network", "tiny:e1")
+        assert out.returncode == 2 and "network tiny twice in sandbox d0" in out.stderr, out
+        assert cli(agent, delegate, "setup", "d0", dpath, "--network", "tiny:e0").returncode == 0
+        # The member's two and the delegate's one are the members' share together.
+        out = cli(agent, delegate, "setup", "d1", dpath, "--network", "tiny:e1")
+        assert out.returncode == 1 and "access.members_share (0.25)" in out.stderr, out
+        out = cli(agent, member, "setup", "m2", f"/proc/{ours.pid}/ns/net",
+                  "--network", "tiny:e2")
+        assert out.returncode == 1 and "access.members_share (0.25)" in out.stderr, out
+        assert len(leased(tmp_path)) == 3
+        agent.setup("rootpod", netns, networks=[("tiny", "eth0")])
+        assert len(leased(tmp_path)) == 4
+    finally:
+        ours.kill()
+        theirs.kill()
