@@ -20,8 +20,8 @@ import pytest
 from tests.conftest import unique_name
 from tests.daemon.test_attack_members import second_member  # noqa: F401 (a fixture)
 from tests.daemon.test_hostile_callers import member_python
-from tests.daemon.test_polkit import polkit, users  # noqa: F401 (fixtures)
 from tests.daemon.test_owners import cli, links, own_netns
+from tests.daemon.test_polkit import polkit, users  # noqa: F401 (fixtures)
 from tests.support.agent import Agent, Bus, options
 from tests.support.net import addresses, allocations, delete_link
 from tests.support.plugins import conflist, write_conf
