@@ -33,7 +33,8 @@ from cni_agent.service.metrics import Metrics
 def policy_of(cfg: AgentConfig) -> Policy:
     """`access.*`: what callers that are not root may use."""
     a = cfg.access
-    return Policy.of(a.networks, a.capabilities, a.max_sandboxes)
+    return Policy.of(a.networks, a.capabilities, a.max_sandboxes, host_ports=a.port_ranges(),
+                     cni_args=a.cni_args)
 
 
 def instance_of(cfg: AgentConfig) -> str:
