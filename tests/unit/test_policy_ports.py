@@ -248,7 +248,7 @@ async def test_root_never_takes_a_port_a_members_sandbox_maps(store: SandboxStor
     store.write(record("cni-agent.u1001.vm1", 1001, mapping(18601, "tcp", "127.0.0.1")))
     async with admission.admitted(ROOT, POLICY, "web", mapping(18601, "tcp", "127.0.0.2"), True):
         pass
-    with pytest.raises(InvalidArgument, match="as 18601/tcp on 127.0.0.1"):
+    with pytest.raises(InvalidArgument, match=r"as 18601/tcp on 127\.0\.0\.1"):
         async with admission.admitted(ROOT, POLICY, "web", mapping(18601, "tcp"), True):
             pass
 
