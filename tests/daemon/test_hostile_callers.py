@@ -246,13 +246,15 @@ def test_a_members_capabilities_are_the_admins_to_open(
             assert out.returncode == 4 and "is not allowed to callers that are not root" in \
                 out.stderr, (caps, out)
         assert allocations(tmp_path / "ipam", "pods") == []
-        # The admin opens portMappings: still never below 1024, nor a port taken.
+        # The admin opens portMappings and a range: only ports inside it, nor a port taken.
         agent.config["access"]["capabilities"] = ["portMappings"]
+        agent.config["access"]["host_ports"] = ["18000-18999"]
         agent.write_config()
         agent.call("Reload")
         low = {"portMappings": [{"hostPort": 23, "containerPort": 22, "protocol": "tcp"}]}
         out = cli(agent, member, "setup", "vm1", path, "--capabilities", json.dumps(low))
-        assert out.returncode == 4 and "host port 23/tcp is below 1024" in out.stderr, out
+        assert out.returncode == 4 and "host port 23/tcp is not in a range open to callers " \
+            "that are not root (access.host_ports: 18000-18999)" in out.stderr, out
         high = {"portMappings": [{"hostPort": 18080, "containerPort": 80, "protocol": "tcp"}]}
         out = cli(agent, member, "setup", "vm1", path, "--capabilities", json.dumps(high))
         assert out.returncode == 0, out
@@ -260,8 +262,8 @@ def test_a_members_capabilities_are_the_admins_to_open(
         try:
             out = cli(agent, member, "setup", "vm2", f"/proc/{theirs.pid}/ns/net",
                       "--capabilities", json.dumps(high))
-            assert out.returncode == 4 and "host port 18080/tcp is mapped by another" in \
-                out.stderr, out
+            assert out.returncode == 2 and "host port 18080/tcp is already mapped by " \
+                "another sandbox" in out.stderr, out
         finally:
             theirs.kill()
         assert cli(agent, member, "list").stdout.split() == ["vm1"]

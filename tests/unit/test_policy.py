@@ -135,20 +135,36 @@ def test_a_new_id_is_anyones_but_cache_entries_without_a_record_are_roots() -> N
     ({"bandwidth": {"ingressRate": 1}}, (), "not allowed"),
     ({"ips": ["10.0.0.9/24"]}, ("portMappings",), "not allowed"),
     ({"portMappings": [{"hostPort": 8080, "containerPort": 80}]}, ("portMappings",), None),
-    ({"portMappings": [{"hostPort": 23, "containerPort": 22}]}, ("portMappings",), "below 1024"),
+    ({"portMappings": [{"hostPort": 9090, "containerPort": 80}]}, ("portMappings",),
+     r"access\.host_ports: 8000-8999"),
+    ({"portMappings": [{"hostPort": 23, "containerPort": 22}]}, ("portMappings",),
+     "23/tcp is not in a range"),
     ({"portMappings": [{"hostPort": 1023, "protocol": "udp"}]}, ("portMappings",), "1023/udp"),
-    ({"portMappings": [{"hostPort": "80"}]}, ("portMappings",), "is not a port"),
-    ({"portMappings": {"hostPort": 80}}, ("portMappings",), "must be a list"),
 ])
 def test_capabilities(caps: dict[str, object], allowed_caps: tuple[str, ...],
                       error: str | None) -> None:
-    policy = Policy.of(capabilities=allowed_caps)
-    policy.capabilities(ROOT, caps)  # root: anything
+    policy = Policy.of(capabilities=allowed_caps, host_ports=[(8000, 8999)])
+    policy.capabilities(ROOT, caps)  # root: anything well-formed
     if error is None:
         policy.capabilities(MEMBER, caps)
     else:
-        with pytest.raises((AgentError, InvalidArgument), match=error):
+        with pytest.raises(AgentError, match=error) as e:
             policy.capabilities(MEMBER, caps)
+        assert e.value.kind is ErrorKind.ACCESS_DENIED
+
+
+@pytest.mark.parametrize(("caps", "error"), [
+    ({"portMappings": [{"hostPort": "80"}]}, "is not a port"),
+    ({"portMappings": {"hostPort": 80}}, "must be a list"),
+    ({"portMappings": [{"hostPort": 80, "protocol": "icmp"}]}, "is not one of tcp, udp"),
+])
+def test_malformed_port_mappings_are_refused_to_everyone(caps: dict[str, object],
+                                                         error: str) -> None:
+    # Root's are compared with every other sandbox's too (issue 44): read first.
+    policy = Policy.of(capabilities=["portMappings"], host_ports=[(1, 65535)])
+    for caller in (ROOT, MEMBER):
+        with pytest.raises(InvalidArgument, match=error):
+            policy.capabilities(caller, caps)
 
 
 def test_networks_and_quota() -> None:

@@ -122,6 +122,7 @@ class Attachments:
         if not isinstance(req.capabilities, Mapping):
             raise InvalidArgument("capabilities", "must be a JSON object")
         m.policy.capabilities(req.caller, req.capabilities, req.args)
+        m.policy.arguments(req.caller, req.args)
         async with callers_netns(m.journal.paths, req.netns, req.netns_fd, req.caller) as ns:
             with m.order.arrive(req.sandbox_id, Kind.ADD, frozenset({req.ifname})) as ticket:
                 await m.wait_ready(ticket)

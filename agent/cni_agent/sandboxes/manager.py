@@ -236,6 +236,7 @@ class SandboxManager:
         if not isinstance(req.capabilities, Mapping):
             raise InvalidArgument("capabilities", "must be a JSON object")
         self.policy.capabilities(req.caller, req.capabilities, req.args)
+        self.policy.arguments(req.caller, req.args, req.pod)
 
     async def setup(self, req: SetupRequest) -> dict[str, Any]:
         with classified():

@@ -34,7 +34,8 @@ def policy_of(cfg: AgentConfig) -> Policy:
     """`access.*`: what callers that are not root may use."""
     a = cfg.access
     return Policy.of(a.networks, a.capabilities, a.max_sandboxes,
-                     max_attachments=a.max_attachments, members_share=a.members_share)
+                     max_attachments=a.max_attachments, members_share=a.members_share,
+                     host_ports=a.port_ranges(), cni_args=a.cni_args)
 
 
 def instance_of(cfg: AgentConfig) -> str:
