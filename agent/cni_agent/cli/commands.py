@@ -408,7 +408,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="runtime capabilities as a JSON object, e.g. portMappings (default: none)")
     p = _command(sub, "teardown", "detach a sandbox from all its networks", """
         Run CNI DEL for every attachment of sandbox ID and forget it. NETNS may be left out
-        or already gone; tearing down an unknown sandbox succeeds.""",
+        or already gone; tearing down an unknown sandbox succeeds. Run by a user that is not
+        root, NETNS is opened with that user's rights and passed as a descriptor (the agent
+        keeps none): while a process is still in the sandbox's namespace, its teardown needs
+        NETNS.""",
         "  $ cni-agent teardown pod-1 /run/netns/pod-1", _teardown)
     p.add_argument("id", metavar="ID", help="the sandbox ID")
     p.add_argument("netns", metavar="NETNS", nargs="?", default="",
@@ -423,7 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
         ADDed again with backoff), repaired-with-new-address. With check.repair a drifted
         attachment is re-created. Exits 1 if any attachment is drifted, lost or
         failed-to-run. With NETNS: CHECK sandbox ID in that namespace and exit 0 only if
-        every CHECK passes.""",
+        every CHECK passes (run by a user that is not root, NETNS is opened with its rights
+        and passed as a descriptor).""",
         "  $ cni-agent check\n  $ cni-agent check pod-1 /run/netns/pod-1 && echo ok", _check,
         '{"attachments": [{sandbox, network, ifname, state, last_check, reason, repairs, '
         'repair, drifted_now}]}')
