@@ -199,7 +199,7 @@ class Attachments:
                 if rec is not None or entries:
                     Policy.holds(caller, sandbox_id, rec.owner if rec else None, bool(entries))
                 if rec is not None and netns_fd is not None and given is not None:
-                    same_namespace(rec, given)
+                    same_namespace(caller, rec, given)
                 recorded = rec.attachment(ifname) if rec is not None else None
                 if rec is not None and recorded is not None:
                     if not _mine(recorded, network, origin):

@@ -46,6 +46,7 @@ from cni_agent.sandboxes.order import Kind, Ticket
 from cni_agent.sandboxes.owners import (
     callers_netns,
     descriptor,
+    not_its_namespace,
     refuse_alive,
     same_namespace,
     validate_label,
@@ -422,7 +423,7 @@ class SandboxManager:
                     return  # nothing known: success, as DEL of nothing is
                 Policy.holds(caller, sandbox_id, rec.owner if rec else None, bool(entries))
                 if rec is not None and netns_fd is not None and given is not None:
-                    same_namespace(rec, given)
+                    same_namespace(caller, rec, given)
                 # Where the DELs run: the recorded namespace if it still is the
                 # one; without a record (another tool's entries) the caller's;
                 # else none — an empty netns, which DEL must tolerate.
@@ -475,6 +476,8 @@ class SandboxManager:
                 if rec is None or rec.phase is not Phase.READY:
                     raise AgentError(ErrorKind.NOT_FOUND, f"sandbox {sandbox_id} is not set up")
                 if not await in_recorded(rec, entries, ns):
+                    if not caller.root:  # its descriptor: its label says nothing
+                        raise not_its_namespace(caller, sandbox_id)
                     raise AgentError(ErrorKind.INVALID_ARGUMENT,
                                      f"sandbox {sandbox_id} is set up in netns {rec.netns}, "
                                      f"not {ns.path}")

@@ -56,12 +56,16 @@ def validate_label(netns: str) -> None:
         raise InvalidArgument("netns", "must be empty or an absolute path")
 
 
-def same_namespace(rec: SandboxRecord, given: Pinned) -> None:
+def same_namespace(caller: Caller, rec: SandboxRecord, given: Pinned) -> None:
     """A descriptor passed for an existing sandbox must be its namespace:
     InvalidArgument(netns_fd) otherwise, nothing done."""
     if rec.netns_id is None or not rec.netns_id.same(given.identity):
-        raise InvalidArgument("netns_fd", f"is not the network namespace sandbox "
-                                          f"{rec.sandbox_id} was set up in")
+        raise not_its_namespace(caller, rec.sandbox_id)
+
+
+def not_its_namespace(caller: Caller, sandbox_id: str) -> InvalidArgument:
+    return InvalidArgument("netns_fd", f"is not the network namespace sandbox "
+                                       f"{Policy.shown(caller, sandbox_id)} was set up in")
 
 
 class StillAlive(InvalidArgument):
