@@ -185,10 +185,9 @@ def test_a_members_teardown_detach_and_check_take_its_descriptor(
             assert err == ERR + "InvalidArgument" and "netns_fd" in text and \
                 "still in use" in text, (method, err, text)
         assert "eth0" in links(mine.pid) and len(allocations(tmp_path / "ipam", "pods")) == 1
-        # Detach with it: the interface and its address go.
-        [(err, _)] = member_calls(agent, member, [call("Detach", "m1", path, "pods", "eth0",
-                                                       fd=path)])
-        assert err is None
+        # Detach with it (the CLI passes it): the interface and its address go.
+        out = cli(agent, member, "detach", "m1", path, "--network", "pods:eth0")
+        assert out.returncode == 0, out
         assert links(mine.pid) == ["lo"] and allocations(tmp_path / "ipam", "pods") == []
         assert cli(agent, member, "list").stdout.split() == []
         # Teardown with it, through the CLI.

@@ -169,6 +169,12 @@ async def _teardown(client: AgentClient, args: argparse.Namespace, colour: bool)
     return EXIT_OK
 
 
+async def _detach(client: AgentClient, args: argparse.Namespace, colour: bool) -> int:
+    network, ifname = args.network or ("", "")
+    await client.detach(args.id, args.netns, network, ifname)
+    return EXIT_OK
+
+
 # The check states after which an attachment may not work as set up: `check` exits 1.
 NEEDS_AN_EYE = ("drifted", "lost", "failed-to-run")
 
@@ -416,6 +422,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("id", metavar="ID", help="the sandbox ID")
     p.add_argument("netns", metavar="NETNS", nargs="?", default="",
                    help='path of the network namespace (default: "", none)')
+    p = _command(sub, "detach", "detach a sandbox from one of its networks", """
+        Run CNI DEL for one attachment of sandbox ID (the default network's eth0, or the
+        one --network names) and forget it; the sandbox's others stay. Nothing attached
+        there succeeds. As for teardown, a user that is not root passes NETNS, opened with
+        its own rights, while a process is still in the namespace.""",
+        "  $ cni-agent detach pod-1 /run/netns/pod-1 --network storage:net1", _detach)
+    p.add_argument("id", metavar="ID", help="the sandbox ID")
+    p.add_argument("netns", metavar="NETNS", nargs="?", default="",
+                   help='path of the network namespace (default: "", none)')
+    p.add_argument("--network", metavar="NAME[:IFNAME]", type=_network,
+                   help="the attachment (default: whichever is on eth0)")
     p = _command(sub, "check", "verify attachments (CNI CHECK) and report drift", """
         Run CNI CHECK now, as the agent's scheduled passes do, for every attachment of
         sandbox ID (of every sandbox without ID), and print each one's state: ok, drifted
