@@ -186,6 +186,25 @@ class PathWorker:
         finally:
             ns.close()
 
+    def names(self, path: str, ns: Pinned) -> Callable[[], None]:
+        """A check, for a path thread (`run`), that root's `path` names the
+        namespace of its descriptor (a path root gives is root's to open; a
+        member's is a label, never opened): InvalidArgument(netns) when it
+        does not, or cannot be opened, in the same words either way."""
+        def check() -> None:
+            try:
+                named = _pin_or_none(path, "netns")
+            except InvalidArgument:
+                named = None
+            try:
+                same = named is not None and named.identity.same(ns.identity)
+            finally:
+                _close(named)
+            if not same:
+                raise InvalidArgument("netns", "does not name the namespace of netns_fd")
+
+        return check
+
     def pinned_if_netns(self, path: str, field: str = "netns"
                         ) -> AbstractAsyncContextManager[Pinned | None]:
         """As `pinned`, but None where `pinned` refuses the path; a path that

@@ -37,6 +37,13 @@ async def callers_netns(paths: PathWorker, netns: str, netns_fd: int | None, cal
         return
     validate_label(netns)
     async with descriptor(paths, netns_fd, netns, caller) as ns:
+        if caller.root:
+            # Root's sandboxes are found again by their path (reaping, Check):
+            # it must name this namespace. Root's path, on root's path threads.
+            if not netns:
+                raise InvalidArgument("netns", "must name the namespace of netns_fd (root's "
+                                               "sandboxes are found again by it)")
+            await paths.run(paths.names(netns, ns), "netns", netns)
         yield ns
 
 
