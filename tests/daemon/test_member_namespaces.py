@@ -189,6 +189,13 @@ def test_a_members_teardown_detach_and_check_take_its_descriptor(
         assert out.returncode == 0, out
         assert links(mine.pid) == ["lo"] and allocations(tmp_path / "ipam", "pods") == []
         assert cli(agent, member, "list").stdout.split() == []
+        # The path beside a descriptor is a label: "" will do, a relative one will not.
+        [(err, text), (err2, _)] = member_calls(agent, member, [
+            call("Setup", "m3", "not/absolute", fd=path), call("Setup", "m4", "", fd=wrong)])
+        assert err == ERR + "InvalidArgument" and "must be empty or an absolute path" in text
+        assert err2 is None and "eth0" in links(another.pid)
+        [(err, _)] = member_calls(agent, member, [call("Teardown", "m4", "", fd=wrong)])
+        assert err is None and links(another.pid) == ["lo"]
         # Teardown with it, through the CLI.
         assert cli(agent, member, "setup", "m2", path).returncode == 0
         out = cli(agent, member, "teardown", "m2", path)
