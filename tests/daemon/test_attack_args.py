@@ -43,7 +43,7 @@ def test_a_member_cannot_choose_its_address_through_args_when_ips_is_closed(
             (out.stdout, allocations(tmp_path / "ipam", "pods"))
         assert out.returncode == 4 and "argument IP sets what capability 'ips' sets" in out.stderr, out
     finally:
-        cli(agent, member, "teardown", "vm1")
+        cli(agent, member, "teardown", "vm1", path)
         mine.kill()
 
 

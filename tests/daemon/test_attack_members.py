@@ -57,12 +57,12 @@ def test_a_member_never_maps_a_host_port_a_root_sandbox_maps(
         udp = {"portMappings": [{"hostPort": 18080, "containerPort": 22, "protocol": "udp"}]}
         assert cli(agent, member, "setup", "vm1", path, "--capabilities",
                    json.dumps(udp)).returncode == 0
-        assert cli(agent, member, "teardown", "vm1").returncode == 0
+        assert cli(agent, member, "teardown", "vm1", path).returncode == 0
         # Once root's sandbox is gone, its port is free.
         agent.call("Teardown", "ssa{sv}", "rootpod", netns, "0")
         out = cli(agent, member, "setup", "vm1", path, "--capabilities", json.dumps(same))
         assert out.returncode == 0, out
-        assert cli(agent, member, "teardown", "vm1").returncode == 0
+        assert cli(agent, member, "teardown", "vm1", path).returncode == 0
     finally:
         mine.kill()
 
@@ -91,7 +91,7 @@ def test_a_member_reaches_nothing_of_another_members_sandboxes(
         assert agent.call("ListSandboxes")[0] == [full]
         assert json.loads(agent.call("Show", "s", full)[0])["state"] == "ready"
         assert len(allocations(tmp_path / "ipam", "pods")) == 1
-        assert cli(agent, alice, "teardown", "vm1").returncode == 0
+        assert cli(agent, alice, "teardown", "vm1", f"/proc/{hers.pid}/ns/net").returncode == 0
     finally:
         hers.kill()
 
@@ -115,7 +115,7 @@ def test_a_members_sandboxes_and_quota_outlive_a_kill_9_of_the_agent(
         assert out.returncode == 1 and "access.max_sandboxes allows (1)" in out.stderr, out
         shown = json.loads(cli(agent, member, "show", "vm1", "--json").stdout)
         assert shown["sandbox"] == "vm1" and shown["state"] == "ready", shown
-        assert cli(agent, member, "teardown", "vm1").returncode == 0
+        assert cli(agent, member, "teardown", "vm1", path).returncode == 0
         assert agent.call("ListSandboxes")[0] == []
         assert allocations(tmp_path / "ipam", "pods") == []
     finally:

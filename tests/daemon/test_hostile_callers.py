@@ -101,7 +101,8 @@ def test_a_member_may_configure_a_namespace_of_its_own_user_namespace(
     try:
         out = cli(pods_agent, member, "setup", "vm1", f"/proc/{mine.pid}/ns/net")
         assert out.returncode == 0, out
-        assert cli(pods_agent, member, "teardown", "vm1").returncode == 0
+        assert cli(pods_agent, member, "teardown", "vm1",
+                   f"/proc/{mine.pid}/ns/net").returncode == 0
         assert allocations(tmp_path / "ipam", "pods") == []
     finally:
         mine.kill()
@@ -267,7 +268,7 @@ def test_a_members_capabilities_are_the_admins_to_open(
         finally:
             theirs.kill()
         assert cli(agent, member, "list").stdout.split() == ["vm1"]
-        assert cli(agent, member, "teardown", "vm1").returncode == 0
+        assert cli(agent, member, "teardown", "vm1", path).returncode == 0
     finally:
         mine.kill()
 
@@ -286,7 +287,7 @@ def test_a_member_holds_at_most_max_sandboxes(
         assert cli(agent, member, "setup", "b", path, "--network", "testnet:e2").returncode == 0
         out = cli(agent, member, "setup", "c", path, "--network", "testnet:e3")
         assert out.returncode == 1 and "access.max_sandboxes allows (2)" in out.stderr, out
-        assert cli(agent, member, "teardown", "a").returncode == 0
+        assert cli(agent, member, "teardown", "a", path).returncode == 0
         assert cli(agent, member, "setup", "c", path, "--network", "testnet:e3").returncode == 0
         assert sorted(cli(agent, member, "list").stdout.split()) == ["b", "c"]
     finally:

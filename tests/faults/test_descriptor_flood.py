@@ -181,7 +181,9 @@ def test_a_plugin_inherits_only_stdin_stdout_stderr(
         setup = stranger.send(spec("Setup", "ssa{sv}", ["fdpod", path, options],
                                    fds=[path, *FDS[1:]], timeout=30))
         assert setup["outcome"] == "return", setup
-        teardown = stranger.send(spec("Teardown", "ssa{sv}", ["fdpod", "", []], timeout=30))
+        # The namespace again, as a member must while a process is in it (issue 44, item 6).
+        teardown = stranger.send(spec("Teardown", "ssa{sv}", ["fdpod", "", options[:1]],
+                                      fds=[path], timeout=30))
         assert teardown["outcome"] == "return", teardown
         runs = [(r["command"], r["proc_fds"]) for r in control.records() if r["command"] != "STATUS"]
         assert runs == [("ADD", [0, 1, 2]), ("DEL", [0, 1, 2])], runs

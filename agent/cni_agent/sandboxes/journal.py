@@ -33,7 +33,7 @@ from cni_agent.cni.errors import CacheError, CNIError, ConfigError, EntryKept, I
 from cni_agent.cni.logctx import log_fields
 from cni_agent.cni.result import with_sandbox
 from cni_agent.cni.runtime import CNIRuntime, RuntimeConf
-from cni_agent.node.blocking import PathWorker
+from cni_agent.node.blocking import PathWorker, process_held
 from cni_agent.node.locks import NetworkLocks
 from cni_agent.node.netns import (
     NetnsError,
@@ -235,7 +235,10 @@ class Journal:
     async def live_netns(self, rec: SandboxRecord | None, entries: Entries, confirm: bool = True,
                          given: Pinned | None = None) -> AsyncIterator[Pinned | None]:
         """The record's namespace, pinned, if its path still names the one
-        recorded at ADD; else None (gone, replaced, or no namespace).
+        recorded at ADD; else None (gone, replaced, or no namespace). A
+        member's namespace (`SandboxRecord.by_descriptor`) is `given` if that
+        is it, else reached through a process inside it (`process_held`); a
+        namespace no process is in counts as gone.
 
         `given`: the caller's path, pinned when its call arrived: used when it
         is the recorded path (no second open of it).
@@ -244,11 +247,20 @@ class Journal:
         `confirm` (the caller holds the sandbox's lock), a record confirmed alive
         is given the namespace's stronger identity.
         """
-        if rec is None or not rec.netns or rec.netns_id is None:
+        if rec is None or rec.netns_id is None or not (rec.netns or rec.by_descriptor):
             yield None
             return
-        if given is not None and given.path == rec.netns:
-            pinned: AbstractAsyncContextManager[Pinned | None] = _as_given(given)
+        pinned: AbstractAsyncContextManager[Pinned | None]
+        if rec.by_descriptor:
+            # A member's: its descriptor again, else a process inside it; its
+            # label is never opened (a path on a mount that never answers
+            # would hold a path thread of root's, and root's GC, forever).
+            if given is not None and rec.netns_id.same(given.identity):
+                pinned = _as_given(given)
+            else:
+                pinned = process_held(rec.netns_id)
+        elif given is not None and given.path == rec.netns:
+            pinned = _as_given(given)
         else:
             pinned = self.paths.pinned_if_netns(rec.netns)
         async with pinned as ns:
@@ -313,7 +325,7 @@ class Journal:
                     raise CacheCollision(a.network, a.ifname)
             self.store.write(begun)
             try:
-                await self._commit(ns)
+                await self.store.commit()
             except BaseException:
                 self._undo_intent(rec)
                 raise
@@ -325,21 +337,6 @@ class Journal:
             self.generation += 1
             self._born[rec.sandbox_id] = self.generation
         return begun, raised
-
-    async def _commit(self, ns: Pinned) -> None:
-        """The intent durable; with a caller's path still to check (`Pinned.
-        unverified`), the check first, on a path thread, in the same hop as
-        the sync: whatever it raises, no plugin runs."""
-        check = ns.unverified
-        if check is None:
-            await self.store.commit()
-            return
-
-        async def on_a_path_thread(job: Callable[[], None]) -> None:
-            await self.paths.run(job, "netns", ns.path)
-
-        await self.store.commit(before=check, run=on_a_path_thread)
-        ns.unverified = None
 
     def _undo_intent(self, rec: SandboxRecord) -> None:
         """An intent that could not be made durable: no plugin ran, so the record

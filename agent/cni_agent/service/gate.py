@@ -4,11 +4,12 @@ dbus-fast reads descriptors a message carries (SCM_RIGHTS) into the agent,
 without close-on-exec, whatever the message is: a signal, an Introspect, a
 call to another object. So, for every message, before anything else runs:
 each descriptor is made close-on-exec (no plugin can inherit one) and closed,
-unless the message is a call of a method that takes one (Setup and Attach's
-`netns_fd`), whose serving closes them when it is answered. Any other call
+unless the message is a call of a method that takes one (`netns_fd` of
+Setup, Attach, Teardown, Detach and Check), whose serving closes them when it
+is answered. Any other call
 carrying descriptors is refused here, whoever sends it: no other method
 takes one, and dbus-fast would walk its body for them (and can fail in
-there, out of our sight). So are Setup and Attach whose options are not the
+there, out of our sight). So are calls of those whose options are not the
 documented ones, for the same reason.
 
 Strangers (neither root nor members) whose uid is known are held to their
@@ -30,8 +31,9 @@ from cni_agent.sandboxes.policy import Role
 from cni_agent.service.auth import Authorizer
 from cni_agent.service.limits import StrangerLimits
 
-# Our methods that take a descriptor (option netns_fd, D-Bus type h).
-TAKES_DESCRIPTORS = frozenset({"Setup", "Attach"})
+# Our methods that take a descriptor (option netns_fd, D-Bus type h): a
+# member passes its namespace again for Teardown, Detach and Check (revision 5).
+TAKES_DESCRIPTORS = frozenset({"Setup", "Attach", "Teardown", "Detach", "Check"})
 INVALID_ARGS = "org.freedesktop.DBus.Error.InvalidArgs"
 
 
@@ -87,7 +89,7 @@ def _weight(body: list[object], limit: int = BIG, nodes: int = 256) -> int:
 
 
 def _options_ok(msg: Message, options: Mapping[str, str]) -> bool:
-    """Whether a Setup or Attach's options (its last argument) are all known
+    """Whether a call's options (its last argument) are all known
     keys with their documented types (netns_fd: h, the only descriptor)."""
     opts = msg.body[-1] if msg.body else None
     return isinstance(opts, dict) and all(
