@@ -90,7 +90,7 @@ def test_a_member_passes_no_kubernetes_identity_nor_an_unlisted_key(
         out = cli(agent, member, "setup", "vm2", path, "--network", "pods:eth1",
                   "--pod", "team-a/builder/u-1")
         assert out.returncode == 4 and "option pod passes argument K8S_POD_UID" in out.stderr, out
-        assert cli(agent, member, "teardown", "vm1").returncode == 0
+        assert cli(agent, member, "teardown", "vm1", path).returncode == 0
     finally:
         mine.kill()
     # Root: unchanged, every key and the pod option pass.

@@ -110,7 +110,7 @@ def test_a_members_protocol_number_never_takes_a_port_root_maps(
         out = cli(agent, member, "setup", "vm1", path, "--capabilities",
                   json.dumps(ports(18621, "17", 22)))
         assert out.returncode == 0, out
-        assert cli(agent, member, "teardown", "vm1").returncode == 0
+        assert cli(agent, member, "teardown", "vm1", path).returncode == 0
     finally:
         mine.kill()
     agent.call("Teardown", "ssa{sv}", "web", netns, "0")
@@ -152,7 +152,7 @@ def test_root_never_takes_a_port_another_sandbox_maps_whichever_way_it_comes(
         assert dnat(18623) == held
         assert agent.call("ListSandboxes")[0] == [vm1]
     finally:
-        cli(agent, member, "teardown", "vm1")
+        cli(agent, member, "teardown", "vm1", f"/proc/{mine.pid}/ns/net")
         mine.kill()
     # Root against root: its second sandbox never takes its first's port.
     web = agent.setup("web", netns_factory(), capabilities=ports(18624))
@@ -196,7 +196,7 @@ def test_a_member_maps_only_host_ports_inside_access_host_ports(
         assert out.returncode == 4 and "(access.host_ports: none)" in out.stderr, out
         assert dnat(18630) == []
         for sid in ("vm1", "vm2"):
-            assert cli(agent, member, "teardown", sid).returncode == 0
+            assert cli(agent, member, "teardown", sid, path).returncode == 0
         assert dnat(18639) == dnat(18650) == []
     finally:
         mine.kill()

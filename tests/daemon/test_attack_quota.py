@@ -116,7 +116,7 @@ def test_a_member_attaches_a_sandbox_to_each_network_once(
         agent.setup("rootpod", netns, networks=[("tiny", "eth0"), ("tiny", "eth1")])
         agent.call("Attach", "ssssa{sv}", "rootpod", netns, "tiny", "eth2", *options())
         assert len(leased(tmp_path)) == 4
-        assert cli(agent, member, "teardown", "vm1").returncode == 0
+        assert cli(agent, member, "teardown", "vm1", path).returncode == 0
         agent.call("Teardown", "ssa{sv}", "rootpod", netns, "0")
         assert leased(tmp_path) == []
     finally:
@@ -146,11 +146,11 @@ def test_a_member_holds_at_most_max_attachments_setup_and_attach_alike(
             before
         assert sorted(cli(agent, member, "list").stdout.split()) == ["a", "b"]
         # Freed by a Teardown: the same Attach now passes.
-        assert cli(agent, member, "teardown", "a").returncode == 0
+        assert cli(agent, member, "teardown", "a", path).returncode == 0
         [[err, _]] = attach(agent, member, mine.pid, ("b", "pods", "e4"))
         assert err == "", _
         assert len(allocations(tmp_path / "ipam", "pods")) == 1
-        assert cli(agent, member, "teardown", "b").returncode == 0
+        assert cli(agent, member, "teardown", "b", path).returncode == 0
         assert leased(tmp_path) == [] and allocations(tmp_path / "ipam", "pods") == []
     finally:
         mine.kill()
@@ -176,7 +176,7 @@ def test_two_concurrent_calls_never_both_pass_a_quota(
         # Two Setups at once for the one place left: one passes (its claim is
         # counted before either reads the records).
         for sid in cli(agent, member, "list").stdout.split():
-            assert cli(agent, member, "teardown", sid).returncode == 0
+            assert cli(agent, member, "teardown", sid, path).returncode == 0
         assert cli(agent, member, "setup", "a", path, "--network", "tiny:e0").returncode == 0
         outcomes = setup_at_once(agent, member, mine.pid, ("b", "tiny", "e2"),
                                  ("c", "pods", "e3"))
@@ -228,7 +228,7 @@ def test_members_keep_to_their_share_and_roots_setup_still_gets_an_address(
         # A member's Teardown frees its place in the share.
         for i in range(6):
             agent.call("Teardown", "ssa{sv}", f"root{i}", netns, "0")
-        assert cli(agent, member, "teardown", "a0").returncode == 0
+        assert cli(agent, member, "teardown", "a0", f"/proc/{alice.pid}/ns/net").returncode == 0
         out = cli(agent, second_member, "setup", "b2", f"/proc/{bob.pid}/ns/net",
                   "--network", "tiny:e2")
         assert out.returncode == 0, out
