@@ -70,6 +70,9 @@ class AccessConfig:
     networks: tuple[str, ...] = ()
     capabilities: tuple[str, ...] = ()
     max_sandboxes: int = 16
+    # Opened networks the agent cannot filter spoofing on (not a bridge, or no
+    # nftables), which members may use all the same.
+    unprotected_networks: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,9 @@ class AgentConfig:
     gc: GCConfig = field(default_factory=GCConfig)
     check: CheckConfig = field(default_factory=CheckConfig)
     http: HTTPConfig = field(default_factory=HTTPConfig)
+    # Whose bridge attachments get anti-spoofing filters: "members" (callers
+    # that are not root) or "all" (root's too). There is no off.
+    antispoof: str = "members"
     bus: str = "system"
     log_level: str = "info"
     # The files read, in order, and which of them set each key ("timeouts.del":
@@ -252,6 +258,17 @@ def _at_least(least: int) -> Callable[[str, str, Any], int]:
 _positive_int, _count = _at_least(1), _at_least(0)
 
 
+ANTISPOOF_MODES = ("members", "all")
+
+
+def _antispoof(source: str, key: str, value: Any) -> str:
+    text = _string(source, key, value)
+    if text not in ANTISPOOF_MODES:
+        raise _fail(source, key, f"must be one of {', '.join(ANTISPOOF_MODES)} (there is no "
+                                 f"off: see access.unprotected_networks), not {_shown(value)}")
+    return text
+
+
 def _log_level(source: str, key: str, value: Any) -> str:
     text = _string(source, key, value).lower()
     if text not in LOG_LEVELS:
@@ -269,6 +286,7 @@ _TOP_LEVEL: Mapping[str, _Check] = {
     "fallback_network": _bool,
     "pod_cidrs": lambda s, k, v: _str_list(s, k, v, _cidr),
     "shutdown_drain": _duration,
+    "antispoof": _antispoof,
     "bus": _string,
     "log_level": _log_level,
 }
@@ -278,7 +296,8 @@ _SECTIONS: dict[str, tuple[type[Any], Mapping[str, _Check]]] = {
     "timeouts": (TimeoutsConfig, {"del" if f.name == "delete" else f.name: _duration
                                   for f in dataclasses.fields(TimeoutsConfig)}),
     "access": (AccessConfig, {"groups": _str_list, "networks": _str_list,
-                              "capabilities": _str_list, "max_sandboxes": _count}),
+                              "capabilities": _str_list, "max_sandboxes": _count,
+                              "unprotected_networks": _str_list}),
     "gc": (GCConfig, {"networks": _str_list, "interval": _duration}),
     "check": (CheckConfig, {"interval": _duration, "repair": _bool,
                             "repair_new_address": _bool, "concurrency": _positive_int}),

@@ -24,7 +24,7 @@ from cni_agent.node.antispoof import (
     install_batch,
 )
 from tests.conftest import unique_name
-from tests.support.spoof import Pod, attack, deliver, ip, mac_of
+from tests.support.spoof import Pod, attack, deliver, ip
 
 pytestmark = [
     pytest.mark.root,
@@ -207,7 +207,7 @@ def shared_bridge() -> Iterator[tuple[Pod, Pod]]:
             ip("-n", ns, "addr", "add", f"172.31.{n}.{i + 2}/24", "dev", "eth0")
             ip("-n", ns, "link", "set", "eth0", "up")
             ip("-n", ns, "link", "set", "lo", "up")
-            pods.append(Pod(ns, host, f"172.31.{n}.{i + 2}"))
+            pods.append(Pod.named(ns, host, f"172.31.{n}.{i + 2}"))
         yield pods[0], pods[1]
     finally:
         for ns in names:
@@ -238,7 +238,7 @@ async def test_without_a_filter_taking_the_mac_takes_the_traffic(
 async def test_with_the_filter_the_pod_keeps_all_its_traffic(
         shared_bridge: tuple[Pod, Pod], filters: Filters, how: str) -> None:
     a, b = shared_bridge
-    await filters.install(PortFilter.of(b.host_veth, mac_of(b.ifname, b.netns), [b.ip]))
+    await filters.install(PortFilter.of(b.host_veth, b.mac, [b.ip]))
     tally = await asyncio.to_thread(attack, a, b, how)
     print(tally)
     assert (tally.to_a, tally.to_b) == (tally.sent, 0), tally
@@ -248,7 +248,7 @@ async def test_the_filter_lets_the_pods_own_traffic_through(
         shared_bridge: tuple[Pod, Pod], filters: Filters) -> None:
     """B's honest traffic (ARP, IPv4 to A and to the host, IPv6 link-local) still flows."""
     a, b = shared_bridge
-    await filters.install(PortFilter.of(b.host_veth, mac_of(b.ifname, b.netns), [b.ip]))
+    await filters.install(PortFilter.of(b.host_veth, b.mac, [b.ip]))
     assert await asyncio.to_thread(deliver, b, a, a.ip) == 5
     a_ll = await asyncio.to_thread(link_local, a)
     assert await asyncio.to_thread(deliver, b, a, f"{a_ll}%eth0") == 5
@@ -259,7 +259,7 @@ async def test_the_filter_lets_the_pods_own_traffic_through(
 def link_local(pod: Pod) -> str:
     """The pod's fe80:: address, once DAD is over (tentative ones cannot be used)."""
     for _ in range(50):
-        for link in json.loads(ip("-n", pod.netns, "-j", "addr", "show", pod.ifname)):
+        for link in json.loads(pod.run_ip("-j", "addr", "show", pod.ifname)):
             for a in link["addr_info"]:
                 if a["local"].startswith("fe80") and not a.get("tentative"):
                     return str(a["local"])

@@ -72,25 +72,36 @@ def ip(*args: str, check: bool = True) -> str:
     return subprocess.run(["ip", *args], check=check, capture_output=True, text=True).stdout
 
 
-def mac_of(ifname: str, netns: str = "") -> str:
-    cmd = ["-n", netns] if netns else []
-    return str(json.loads(ip(*cmd, "-j", "link", "show", "dev", ifname))[0]["address"])
-
-
 @dataclass(frozen=True)
 class Pod:
-    netns: str  # name under /run/netns
+    """A pod's namespace on the bridge: `enter` runs a command inside it."""
+
+    enter: tuple[str, ...]
     host_veth: str
     ip: str
     ifname: str = "eth0"
 
+    @classmethod
+    def named(cls, netns: str, host_veth: str, address: str) -> Pod:
+        return cls(("ip", "netns", "exec", netns), host_veth, address)
+
+    @classmethod
+    def of_pid(cls, pid: int, host_veth: str, address: str) -> Pod:
+        """A namespace held by a process (a member's, in its own user namespace):
+        root enters it, as the member's own root could act in it."""
+        return cls(("nsenter", "-t", str(pid), "-n"), host_veth, address)
+
+    def run_ip(self, *args: str) -> str:
+        return subprocess.run([*self.enter, "ip", *args], check=True, capture_output=True,
+                              text=True).stdout
+
     @property
     def mac(self) -> str:
-        return mac_of(self.ifname, self.netns)
+        return str(json.loads(self.run_ip("-j", "link", "show", "dev", self.ifname))[0]["address"])
 
     def exec(self, *cmd: str) -> subprocess.Popen[str]:
-        return subprocess.Popen(["ip", "netns", "exec", self.netns, *cmd],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen([*self.enter, *cmd], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
 
 
 @dataclass(frozen=True)
@@ -127,15 +138,14 @@ def attack(a: Pod, b: Pod, how: str, *, count: int = 40, port: int = 18640,
     assert deliver(None, a, a.ip, count=2) == 2
     seconds = 1.5 + count * 0.05 + 1.0
     if how == "takeover":
-        ip("-n", b.netns, "link", "set", "dev", b.ifname, "address", a.mac)
-    ip("-n", b.netns, "addr", "add", f"{a.ip}/{prefix}", "dev", b.ifname, "nodad")
+        b.run_ip("link", "set", "dev", b.ifname, "address", a.mac)
+    b.run_ip("addr", "add", f"{a.ip}/{prefix}", "dev", b.ifname, "nodad")
     receivers = [p.exec(sys.executable, "-c", _RECEIVER, str(port), str(seconds + 0.5))
                  for p in (a, b)]
     for r in receivers:
         assert r.stdout is not None
         assert r.stdout.readline().strip() == "ready", r.stderr.read() if r.stderr else ""
-    spoofer = b.exec(sys.executable, "-c", _GARP, b.ifname, a.ip, mac_of(b.ifname, b.netns),
-                     str(seconds))
+    spoofer = b.exec(sys.executable, "-c", _GARP, b.ifname, a.ip, b.mac, str(seconds))
     try:
         # The kernel ignores a neighbour update within a second (locktime) of the last.
         time.sleep(1.5)

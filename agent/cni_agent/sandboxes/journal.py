@@ -47,6 +47,7 @@ from cni_agent.node.netns import (
 from cni_agent.sandboxes import cacheview
 from cni_agent.sandboxes.cacheview import entry_of
 from cni_agent.sandboxes.records import Attachment, DamagedRecord, Phase, SandboxRecord
+from cni_agent.sandboxes.spoofguard import Guard
 from cni_agent.sandboxes.store import SandboxStore
 
 log = logging.getLogger(__name__)
@@ -170,8 +171,12 @@ class Journal:
         current: Callable[[str], NetworkConfigList | None] = lambda name: None,
         lock_timeout: float = 60.0,
         paths: PathWorker | None = None,
+        guard: Guard | None = None,
     ) -> None:
         self.runtime = runtime
+        # Members' anti-spoofing filters, installed and removed with their
+        # attachments (without nftables: none, and members get no filterable network).
+        self.guard = guard or Guard(None)
         # Every open of a caller's (or recorded) netns path goes through here.
         self.paths = paths or PathWorker()
         self.store = store
@@ -371,6 +376,9 @@ class Journal:
         with log_fields(NETWORK=net.name, IFNAME=att.ifname):
             async with self.netlocks.use(net.name, self.lock_timeout):
                 result = await self.runtime.add(net, rt)
+            # Before it is ready or answered: a member's pod is never reported
+            # set up unfiltered. AntispoofFailed is the ADD's failure (rolled back).
+            await self.guard.added(rec, att, net, result)
             ready = set(ready)
             rec = rec.with_attachments(
                 replace(a, result=result if a.ifname == att.ifname else a.result,
@@ -552,6 +560,7 @@ class Journal:
             prev = _as_plugin_sees(entry.result, ns) if entry else None
             async with self.netlocks.use(att.network, self.lock_timeout):
                 await self.runtime.delete(net, rt, prev_result=prev, use_cache=False)
+            await self.guard.deleted(sandbox_id, att, net, entry.result if entry else att.result)
             log.debug("sandbox %s: %s/%s deleted", sandbox_id, att.network, att.ifname)
 
     def _config_for(self, att: Attachment, entry: CachedAttachment | None) -> NetworkConfigList:

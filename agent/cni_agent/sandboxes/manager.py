@@ -266,6 +266,8 @@ class SandboxManager:
             nets = [self.resolve(r) for r in requests]
             for net in nets:
                 self.policy.network(req.caller, net.name)
+                self.policy.spoofing(req.caller, net.name,
+                                     await self.journal.guard.why_unprotected(net))
             args = tuple(build_cni_args(req.args, req.pod, req.sandbox_id))
             caps = self.capabilities_for(req.capabilities)
             new = tuple(Attachment(net.name, r.ifname, net.bytes, args, caps)

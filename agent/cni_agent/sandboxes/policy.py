@@ -16,7 +16,9 @@ CVE-2026-39402); this module is stricter than both:
   world-readable), only on the networks the admin opened to it
   (`access.networks`, default none), passing only the capabilities the admin
   allowed (`access.capabilities`, default none; host ports never below 1024),
-  holding at most `access.max_sandboxes` sandboxes;
+  holding at most `access.max_sandboxes` sandboxes, and only on networks
+  whose attachments get anti-spoofing filters unless the admin lists them in
+  `access.unprotected_networks` (`spoofing`);
 - node-wide state (Reload, pod CIDRs) is root's (or polkit's `configure`,
   which the package's rule never grants to the group);
 - anyone may read: properties, WaitReady, the shim's STATUS and VERSION.
@@ -123,11 +125,14 @@ class Policy:
     open_networks: frozenset[str] = frozenset()
     open_capabilities: frozenset[str] = frozenset()
     max_sandboxes: int = 16
+    # Opened networks the agent cannot filter spoofing on that members may use anyway.
+    unprotected_networks: frozenset[str] = frozenset()
 
     @classmethod
     def of(cls, networks: Iterable[str] = (), capabilities: Iterable[str] = (),
-           max_sandboxes: int = 16) -> Policy:
-        return cls(frozenset(networks), frozenset(capabilities), max_sandboxes)
+           max_sandboxes: int = 16, *, unprotected_networks: Iterable[str] = ()) -> Policy:
+        return cls(frozenset(networks), frozenset(capabilities), max_sandboxes,
+                   unprotected_networks=frozenset(unprotected_networks))
 
     # --- methods ---------------------------------------------------------------------
 
@@ -247,6 +252,17 @@ class Policy:
         opened = ", ".join(sorted(self.open_networks)) or "none"
         raise denied(f"network {name} is not open to callers that are not root (access.networks: "
                      f"{opened})")
+
+    def spoofing(self, caller: Caller, name: str, unprotected: str) -> None:
+        """A network whose attachments would go without anti-spoofing filters
+        (`unprotected` says why; "" when they get them) reaches callers that
+        are not root only when the admin lists it in access.unprotected_networks:
+        on it, a member's pod can claim another pod's MAC and addresses."""
+        if caller.root or not unprotected or name in self.unprotected_networks:
+            return
+        raise denied(f"network {name} cannot be protected against address spoofing here "
+                     f"({unprotected}); callers that are not root may use it only if "
+                     "access.unprotected_networks lists it")
 
     def capabilities(self, caller: Caller, caps: Mapping[str, Any],
                      args: Iterable[tuple[str, str]] = ()) -> None:
