@@ -262,11 +262,11 @@ ANTISPOOF_MODES = ("members", "all")
 
 
 def _antispoof(source: str, key: str, value: Any) -> str:
-    text = _string(source, key, value)
-    if text not in ANTISPOOF_MODES:
+    # YAML reads an unquoted `off` or `no` as false: the same answer for it.
+    if not isinstance(value, str) or value not in ANTISPOOF_MODES:
         raise _fail(source, key, f"must be one of {', '.join(ANTISPOOF_MODES)} (there is no "
                                  f"off: see access.unprotected_networks), not {_shown(value)}")
-    return text
+    return value
 
 
 def _log_level(source: str, key: str, value: Any) -> str:
