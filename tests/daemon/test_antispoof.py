@@ -17,7 +17,7 @@ import pytest
 
 from cni_agent.config import AgentConfig
 from cni_agent.service.wiring import antispoof_table
-from tests.daemon.test_drift import Monitor
+from tests.daemon.test_drift import Monitor, StandIn
 from tests.daemon.test_owners import cli, own_netns
 from tests.support.agent import Agent, Bus
 from tests.support.net import allocations, netns_name
@@ -254,4 +254,43 @@ def test_a_filter_nftables_refuses_fails_the_setup_and_leaves_nothing(
                                capture_output=True, text=True, check=True).stdout
         assert [x["ifname"] for x in json.loads(links)] == ["lo"]
     finally:
+        mine.kill()
+
+
+def test_reaping_a_dead_members_sandbox_removes_its_filter(
+    make_agent: Callable[..., Agent], agents: list[Agent], permissive_bus: Bus,
+    bridge_chain: str, bridge_name: str, member: str, tmp_path: Path,
+) -> None:
+    """The member's namespace dies (its veth with it): root's GC reaps the
+    sandbox, and its filter goes with it."""
+    agent = start(make_agent, agents, permissive_bus, member, check={"interval": 3600})
+    mine = own_netns(member)
+    veth, _, _ = veth_mac_ip(member_setup(agent, member, "vm1", mine.pid), bridge_name)
+    assert veth in ports(agent)
+    mine.kill()
+    mine.wait()
+    wait_for(lambda: not Path(f"/sys/class/net/{veth}").exists(), timeout=5)
+    agent.call("GarbageCollect", "as", "0")
+    assert agent.call("ListSandboxes")[0] == []
+    assert ports(agent) == {}
+    assert allocations(tmp_path / "ipam", "pods") == []
+
+
+def test_with_checks_off_a_firewalld_reload_still_restores_a_filter(
+    make_agent: Callable[..., Agent], agents: list[Agent], permissive_bus: Bus,
+    bridge_chain: str, bridge_name: str, member: str,
+) -> None:
+    """check.interval 0 turns CHECK passes off, never the filters' check:
+    firewalld's Reloaded signal has the filters looked at at once."""
+    firewalld = StandIn(permissive_bus)
+    agent = start(make_agent, agents, permissive_bus, member, check={"interval": 0})
+    mine = own_netns(member)
+    try:
+        veth, _, _ = veth_mac_ip(member_setup(agent, member, "vm1", mine.pid), bridge_name)
+        subprocess.run(["nft", "delete", "table", "bridge", table_of(agent)], check=True)
+        firewalld.reload()
+        wait_for(lambda: veth in ports(agent), timeout=5)
+        assert "anti-spoofing filter on" in agent.log() and "was missing" in agent.log()
+    finally:
+        firewalld.stop()
         mine.kill()

@@ -265,3 +265,13 @@ def link_local(pod: Pod) -> str:
                     return str(a["local"])
         time.sleep(0.1)
     raise AssertionError(f"no usable link-local address on {pod}")
+
+
+async def test_remove_takes_what_is_left_of_a_half_deleted_filter(filters: Filters) -> None:
+    await filters.install(a_filter("vethspoof0"))
+    await filters.install(a_filter("vethspoof1"))
+    nft("delete", "element", "bridge", filters.table, "ports", "{ vethspoof0 }")
+    assert await filters.remove("vethspoof0") is True  # its chain was still there
+    seen = listing(filters.table)
+    assert seen["ports"] == ["vethspoof1"]
+    assert "port-vethspoof0" not in seen["rules"]  # type: ignore[operator]

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -195,7 +195,8 @@ class Guard:
     # --- the presence check -------------------------------------------------------------
 
     async def reconcile(self, records: Sequence[SandboxRecord],
-                        config_for: Any, current: Any) -> Reconciled:
+                        config_for: Callable[[Attachment], NetworkConfigList],
+                        current: Callable[[str], SandboxRecord | None]) -> Reconciled:
         """One listing of the table against every ready attachment that should
         be filtered: each missing or altered filter re-installed (drift), each
         filter of a port nothing records and whose veth is gone removed.
