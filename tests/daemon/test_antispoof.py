@@ -247,7 +247,9 @@ def test_a_filter_nftables_refuses_fails_the_setup_and_leaves_nothing(
     try:
         out = cli(agent, member, "setup", "vm1", f"/proc/{mine.pid}/ns/net")
         assert out.returncode == 1, out
-        assert "nftables refused its anti-spoofing filter" in out.stderr, out.stderr
+        assert out.stderr.startswith("cni-agent: plugin failed: pods/eth0: nftables refused its "
+                                     "anti-spoofing filter on veth"), out.stderr
+        assert out.stderr.rstrip().endswith("; the ADD is undone"), out.stderr
         assert agent.call("ListSandboxes")[0] == []
         assert allocations(tmp_path / "ipam", "pods") == []
         links = subprocess.run(["nsenter", "-t", str(mine.pid), "-n", "ip", "-j", "link"],
