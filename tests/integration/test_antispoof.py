@@ -24,7 +24,7 @@ from cni_agent.node.antispoof import (
     install_batch,
 )
 from tests.conftest import unique_name
-from tests.support.spoof import Pod, attack, deliver, ip
+from tests.support.spoof import Pod, advertise_router, attack, deliver, ip
 
 pytestmark = [
     pytest.mark.root,
@@ -80,6 +80,8 @@ async def test_install_makes_a_complete_port_chain(filters: Filters) -> None:
     assert "arp saddr ip != { 0.0.0.0, 10.244.0.5 } drop" in text
     assert "ip saddr != 10.244.0.5 drop" in text
     assert "ip6 saddr != { ::, fd00:10::5, fe80::/10 } drop" in text
+    assert "icmpv6 type { nd-router-advert, nd-redirect } drop" in text
+    assert "udp sport 67 drop" in text and "udp sport 547 drop" in text
     assert (await filters.installed()).complete(f)
 
 
@@ -275,3 +277,21 @@ async def test_remove_takes_what_is_left_of_a_half_deleted_filter(filters: Filte
     seen = listing(filters.table)
     assert seen["ports"] == ["vethspoof1"]
     assert "port-vethspoof0" not in seen["rules"]  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("filtered", [False, True])
+async def test_a_filtered_pod_cannot_become_the_links_ipv6_router(
+        shared_bridge: tuple[Pod, Pod], filters: Filters, filtered: bool) -> None:
+    """B's router advertisements give A a default route through B, unless B's port is filtered."""
+    a, b = shared_bridge
+    await asyncio.to_thread(link_local, a)
+    await asyncio.to_thread(link_local, b)
+    if filtered:
+        await filters.install(PortFilter.of(b.host_veth, b.mac, [b.ip]))
+    await asyncio.to_thread(advertise_router, b)
+    await asyncio.sleep(0.5)
+    routes = a.run_ip("-6", "route", "show", "default")
+    if filtered:
+        assert routes.strip() == "", routes
+    else:
+        assert "default via fe80::" in routes, routes  # what the filter is for

@@ -68,6 +68,29 @@ for i in range(count):
 """
 
 
+# Run inside a namespace: advertise itself as the link's IPv6 router (and
+# 2001:db8:44::/64 as its prefix) on IFNAME, COUNT times.
+_ROUTER_ADVERT = """
+import socket, struct, sys, time
+ifname, count = sys.argv[1], int(sys.argv[2])
+s = socket.socket(socket.AF_INET6, socket.SOCK_RAW, socket.IPPROTO_ICMPV6)
+s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_MULTICAST_HOPS, 255)
+ra = struct.pack("!BBHBBHII", 134, 0, 0, 64, 0, 1800, 0, 0)
+prefix = struct.pack("!BBBBIII", 3, 4, 64, 0xC0, 86400, 14400, 0)
+prefix += socket.inet_pton(socket.AF_INET6, "2001:db8:44::")
+for _ in range(count):
+    s.sendto(ra + prefix, ("ff02::1", 0, 0, socket.if_nametoindex(ifname)))
+    time.sleep(0.2)
+"""
+
+
+def advertise_router(b: Pod, count: int = 5) -> None:
+    """B claims to be the link's IPv6 router (what only the network's router may)."""
+    proc = b.exec(sys.executable, "-c", _ROUTER_ADVERT, b.ifname, str(count))
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+
+
 def ip(*args: str, check: bool = True) -> str:
     return subprocess.run(["ip", *args], check=check, capture_output=True, text=True).stdout
 

@@ -24,7 +24,9 @@ not the pod's (0.0.0.0, an ARP probe, allowed), IPv4 from another source
 (0.0.0.0 only to DHCP's server port, and only where `dhcp`), IPv6 from
 another source than the pod's, link-local fe80::/10 and :: (ICMPv6 only: DAD
 and MLD), neighbour advertisements for a target not its own or link-local, and
-neighbour solicitations/advertisements whose link-layer option is not its MAC.
+neighbour solicitations/advertisements whose link-layer option is not its
+MAC; and what only the network's router or DHCP server sends: router
+advertisements and redirects, DHCP (port 67) and DHCPv6 (547) replies.
 
 Each port is added, checked and removed in one JSON batch through
 libnftables (ctypes: the distributions' python3-nftables is the same thin
@@ -187,6 +189,14 @@ def rules(f: PortFilter) -> list[list[dict[str, Any]]]:
         [_match("==", ether_type, "ip6"), _match("==", icmp_type, "nd-neighbor-advert"),
          _match("==", _raw(_ND_OPTION_TYPE, 8), 2),
          _match("!=", _raw(_ND_OPTION_MAC, 48), mac_int)],
+    ]
+    # Nor may it act as the network's router or DHCP server: router
+    # advertisements and redirects, DHCP and DHCPv6 servers' replies.
+    out += [
+        [_match("==", ether_type, "ip6"),
+         _match("==", icmp_type, {"set": ["nd-router-advert", "nd-redirect"]})],
+        [_match("==", ether_type, "ip"), _match("==", _payload("udp", "sport"), 67)],
+        [_match("==", ether_type, "ip6"), _match("==", _payload("udp", "sport"), 547)],
     ]
     return [[*r, {"drop": None}] for r in out]
 
