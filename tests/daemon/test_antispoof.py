@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes.util
 import json
+import pwd
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +24,7 @@ from tests.support.agent import Agent, Bus
 from tests.support.net import allocations, netns_name
 from tests.support.plugins import wait_for
 from tests.support.spoof import Pod, attack
+from tests.support.stranger import Stranger, spec
 
 pytestmark = pytest.mark.root
 
@@ -295,4 +297,37 @@ def test_with_checks_off_a_firewalld_reload_still_restores_a_filter(
         assert "anti-spoofing filter on" in agent.log() and "was missing" in agent.log()
     finally:
         firewalld.stop()
+        mine.kill()
+
+
+def test_a_members_attach_is_filtered_and_refused_where_it_cannot_be(
+    make_agent: Callable[..., Agent], agents: list[Agent], permissive_bus: Bus,
+    bridge_chain: str, bridge_name: str, testnet: Callable[..., Path], member: str,
+) -> None:
+    """Attach (one more interface on a sandbox) goes the same way as Setup."""
+    testnet("plain")
+    agent = start(make_agent, agents, permissive_bus, member,
+                  access={"networks": ["pods", "plain"]})
+    mine = own_netns(member)
+    caller = Stranger(permissive_bus.address, user=member, member=True)
+    path = f"/proc/{mine.pid}/ns/net"
+
+    def attach(network: str, ifname: str) -> dict[str, Any]:
+        return caller.send(spec("Attach", "ssssa{sv}",
+                                ["vm1", path, network, ifname, [["netns_fd", ["h", 0]]]],
+                                fds=[path], timeout=30))
+
+    try:
+        done = attach("pods", "eth0")
+        assert done["outcome"] == "return", done
+        full = f"cni-agent.u{pwd.getpwnam(member).pw_uid}.vm1"
+        veth, _, _ = veth_mac_ip(json.loads(agent.call("Show", "s", full)[0]), bridge_name)
+        assert list(ports(agent)) == [veth]
+        refused = attach("plain", "eth1")
+        assert (refused["outcome"], refused["error"]) == (
+            "error", "org.cniagent.Agent1.Error.AccessDenied"), refused
+        assert refused["text"].startswith("network plain cannot be protected against address "
+                                          "spoofing here"), refused
+    finally:
+        caller.close()
         mine.kill()
