@@ -439,7 +439,7 @@ class Journal:
             # Its rollback DEL (the spec requires it), then one write: still in
             # the record, lost. A failed rollback DEL is the retry's first DEL.
             try:
-                await self._delete(rec.sandbox_id, new, ns, None)
+                await self._delete(rec.sandbox_id, new, ns, None, rec.owner)
             except CNIError as undo:
                 log.warning("sandbox %s: DEL after the failed ADD of %s/%s failed (retried "
                             "with it): %s", rec.sandbox_id, att.network, att.ifname, undo)
@@ -522,7 +522,7 @@ class Journal:
         gone = set(unstarted)
         for att in reversed(targets):
             try:
-                await self._delete(sid, att, ns, entries.get((att.network, att.ifname)))
+                await self._delete(sid, att, ns, entries.get((att.network, att.ifname)), rec.owner)
             except EntryKept as e:  # released; only its entry is left
                 gone.add(att.ifname)
                 missed.append(f"the removal of the cache entry of {att.network}/{att.ifname}")
@@ -553,14 +553,15 @@ class Journal:
         return Removal(kept, errors, unrecorded)
 
     async def _delete(self, sandbox_id: str, att: Attachment, ns: Pinned | None,
-                      entry: CachedAttachment | None) -> None:
+                      entry: CachedAttachment | None, owner: int) -> None:
         with log_fields(NETWORK=att.network, IFNAME=att.ifname):
             net = self._config_for(att, entry)
             rt = _conf(sandbox_id, att, ns)
             prev = _as_plugin_sees(entry.result, ns) if entry else None
             async with self.netlocks.use(att.network, self.lock_timeout):
                 await self.runtime.delete(net, rt, prev_result=prev, use_cache=False)
-            await self.guard.deleted(sandbox_id, att, net, entry.result if entry else att.result)
+            await self.guard.deleted(sandbox_id, owner, att, net,
+                                     entry.result if entry else att.result)
             log.debug("sandbox %s: %s/%s deleted", sandbox_id, att.network, att.ifname)
 
     def _config_for(self, att: Attachment, entry: CachedAttachment | None) -> NetworkConfigList:

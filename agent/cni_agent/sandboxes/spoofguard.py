@@ -170,12 +170,14 @@ class Guard:
         log.debug("sandbox %s: %s/%s filtered on %s (MAC %s, %s)", rec.sandbox_id, att.network,
                   att.ifname, f.port, f.mac, ", ".join((*f.ipv4, *f.ipv6)) or "no address")
 
-    async def deleted(self, sandbox_id: str, att: Attachment, net: NetworkConfigList | None,
-                      result: Mapping[str, Any] | None) -> None:
-        """After `att`'s DEL succeeded: its filter goes, once its veth is gone.
-        A failure is logged: the next presence check removes it."""
-        if self.filters is None or not result or self._unavailable or net is None or \
-                unfilterable(net):
+    async def deleted(self, sandbox_id: str, owner: int, att: Attachment,
+                      net: NetworkConfigList, result: Mapping[str, Any] | None) -> None:
+        """After `att` (`owner`'s) was DELeted: its filter goes, once its veth
+        is gone. Nothing to do (no nftables call) for an attachment that was
+        not filtered: root's DELs cost nothing more. A failure is logged: the
+        next presence check removes it."""
+        if self.filters is None or not result or self._unavailable or \
+                not self.wanted(owner, net):
             return
         try:
             f = port_filter(att, net, result)
