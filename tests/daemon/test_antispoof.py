@@ -152,7 +152,7 @@ def test_a_member_on_a_shared_bridge_cannot_take_a_root_pods_traffic(
         assert b_veth in ports(agent)
         [signal] = wait_for(monitor.drifted, timeout=5)
         assert "anti-spoofing filter was missing (restored)" in signal, signal
-        assert "its anti-spoofing filter on" in agent.log()
+        wait_for(lambda: "its anti-spoofing filter on" in agent.log(), timeout=5)
         tally = attack(a, b, "takeover")
         assert (tally.to_a, tally.to_b) == (40, 0), tally
     finally:
@@ -173,7 +173,8 @@ def test_a_flushed_filter_is_restored_by_the_scheduled_pass(
                        check=True)
         assert ports(agent)[veth] == []
         wait_for(lambda: ports(agent).get(veth) == before, timeout=5)
-        assert "was altered (an nftables flush or reload?); restored" in agent.log()
+        wait_for(lambda: "was altered (an nftables flush or reload?); restored" in agent.log(),
+                 timeout=5)
     finally:
         mine.kill()
 
@@ -294,7 +295,8 @@ def test_with_checks_off_a_firewalld_reload_still_restores_a_filter(
         subprocess.run(["nft", "delete", "table", "bridge", table_of(agent)], check=True)
         firewalld.reload()
         wait_for(lambda: veth in ports(agent), timeout=5)
-        assert "anti-spoofing filter on" in agent.log() and "was missing" in agent.log()
+        wait_for(lambda: "was missing (an nftables flush or reload?); restored" in agent.log(),
+                 timeout=5)
     finally:
         firewalld.stop()
         mine.kill()

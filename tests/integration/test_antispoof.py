@@ -295,3 +295,34 @@ async def test_a_filtered_pod_cannot_become_the_links_ipv6_router(
         assert routes.strip() == "", routes
     else:
         assert "default via fe80::" in routes, routes  # what the filter is for
+
+
+@pytest.mark.parametrize("how", ["garp", "takeover"])
+@pytest.mark.parametrize("scrubbed", [False, True])
+async def test_what_a_pod_claimed_before_its_filter_is_forgotten_when_it_is_installed(
+        shared_bridge: tuple[Pod, Pod], filters: Filters, how: str, scrubbed: bool) -> None:
+    """B spoofs between its veth joining the bridge and its filter (the end of
+    its ADD chain): the host's neighbour entry or the bridge's fdb entry for A
+    already points at B. Installing the filter forgets both (`scrub`): A then
+    gets all its traffic. The filter alone (its bare batch) would not do: A is
+    quiet, so nothing learns it back."""
+    a, b = shared_bridge
+    f = PortFilter.of(b.host_veth, b.mac, [b.ip])
+    loop = asyncio.get_running_loop()
+
+    def filter_now() -> None:
+        if scrubbed:
+            asyncio.run_coroutine_threadsafe(filters.install(f), loop).result()
+        else:
+            nft_batch = json.dumps(install_batch(f, filters.table))
+            subprocess.run(["nft", "-j", "-f", "-"], input=nft_batch, text=True, check=True)
+
+    tally = await asyncio.to_thread(attack, a, b, how, meanwhile=filter_now)
+    if scrubbed:
+        assert tally.to_a == tally.sent, tally
+        # After a takeover the bridge has not learned A's MAC back (A is
+        # quiet): frames to it are flooded to every port, B's too, as on any
+        # bridge. With the garp, nothing goes B's way.
+        assert how == "takeover" or tally.to_b == 0, tally
+    else:
+        assert tally.to_b >= tally.sent // 2 and tally.to_a < tally.sent, tally

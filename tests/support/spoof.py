@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 # Run inside a namespace: count the datagrams reaching PORT for SECONDS.
@@ -153,9 +154,10 @@ def deliver(sender: Pod | None, to: Pod, address: str, *, count: int = 5,
 
 
 def attack(a: Pod, b: Pod, how: str, *, count: int = 40, port: int = 18640,
-           prefix: int = 24) -> Tally:
+           prefix: int = 24, meanwhile: Callable[[], None] | None = None) -> Tally:
     """B attacks A (`garp` or `takeover`, see above) while the host sends
-    `count` datagrams to A's IP; how many reached each."""
+    `count` datagrams to A's IP; how many reached each. `meanwhile` runs once
+    B's spoofing has had its effect, before the host sends."""
     assert how in ("garp", "takeover")
     # The host knows A first, as it would after any traffic with it.
     assert deliver(None, a, a.ip, count=2) == 2
@@ -172,6 +174,8 @@ def attack(a: Pod, b: Pod, how: str, *, count: int = 40, port: int = 18640,
     try:
         # The kernel ignores a neighbour update within a second (locktime) of the last.
         time.sleep(1.5)
+        if meanwhile is not None:
+            meanwhile()
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             for i in range(count):
                 s.sendto(f"{i}".encode(), (a.ip, port))
