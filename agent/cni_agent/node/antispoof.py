@@ -32,14 +32,15 @@ Each port is added, checked and removed in one JSON batch through
 libnftables (ctypes: the distributions' python3-nftables is the same thin
 wrapper, but not on PyPI). Every rule carries a comment naming the filter's
 digest, so a presence check can tell a complete chain from a flushed or
-altered one without parsing rules back.
+altered one without parsing rules back. Once a filter is in, what the pod
+claimed before it was (`scrub`: the bridge's fdb, the host's neighbours) is
+forgotten.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ctypes
-import ctypes.util
 import hashlib
 import ipaddress
 import json
@@ -383,12 +384,13 @@ class Filters:
     may first fill libnftables' cache from the kernel, and that dump grows with
     the node's whole ruleset (kube-proxy's nftables mode alone makes
     thousands of rules); adding the hooked chain waits for the kernel's RCU
-    grace period (measured here, a 2-core VM with 200 ports filtered: 4 ms
-    a port's batch, 8 ms at p95 and up to 18 ms when the hooked chain is
-    created, 80 ms to list the table for a presence check: too long to stall
-    every other call for). One
-    thread, because a context must not be shared between threads and because
-    one port's batches must apply in the order they were asked for.
+    grace period (measured here, a shared 2-core VM with 200 ports filtered:
+    4 to 5 ms a port's batch, 8 to 18 ms at p95, up to 18 ms when the hooked
+    chain is created, 80 to 150 ms to list the table for a presence check,
+    100 ms for the first install, which imports pyroute2 to `scrub`: too long
+    to stall every other call for). One thread, because a context must not
+    be shared between threads and because one port's batches must apply in
+    the order they were asked for.
     """
 
     def __init__(self, table: str = TABLE, library: str = LIBRARY) -> None:
@@ -408,7 +410,7 @@ class Filters:
     # --- on the nft thread ---------------------------------------------------------
 
     def _probe(self) -> None:
-        """The library loads and the kernel takes a bridge-family table (nothing is left)."""
+        """The library loads and the kernel answers for the bridge family (a listing: changes nothing)."""
         nft = self._ctx()
         nft.run({"nftables": [{"list": {"tables": {"family": FAMILY}}}]})
 
