@@ -82,6 +82,9 @@ class AccessConfig:
     # CNI_ARGS keys they may pass besides IgnoreUnknown (IP and MAC: through
     # their capabilities); K8S_* and the pod option only if listed.
     cni_args: tuple[str, ...] = ()
+    # Opened networks the agent cannot filter spoofing on (not a bridge, or no
+    # nftables), which members may use all the same.
+    unprotected_networks: tuple[str, ...] = ()
 
     def port_ranges(self) -> tuple[tuple[int, int], ...]:
         return tuple(parse_port_range(r) for r in self.host_ports)
@@ -162,6 +165,9 @@ class AgentConfig:
     gc: GCConfig = field(default_factory=GCConfig)
     check: CheckConfig = field(default_factory=CheckConfig)
     http: HTTPConfig = field(default_factory=HTTPConfig)
+    # Whose bridge attachments get anti-spoofing filters: "members" (callers
+    # that are not root) or "all" (root's too). There is no off.
+    antispoof: str = "members"
     bus: str = "system"
     log_level: str = "info"
     # The files read, in order, and which of them set each key ("timeouts.del":
@@ -316,6 +322,17 @@ def _share(source: str, key: str, value: Any) -> float:
     return float(value)
 
 
+ANTISPOOF_MODES = ("members", "all")
+
+
+def _antispoof(source: str, key: str, value: Any) -> str:
+    # YAML reads an unquoted `off` or `no` as false: the same answer for it.
+    if not isinstance(value, str) or value not in ANTISPOOF_MODES:
+        raise _fail(source, key, f"must be one of {', '.join(ANTISPOOF_MODES)} (there is no "
+                                 f"off: see access.unprotected_networks), not {_shown(value)}")
+    return value
+
+
 def _log_level(source: str, key: str, value: Any) -> str:
     text = _string(source, key, value).lower()
     if text not in LOG_LEVELS:
@@ -333,6 +350,7 @@ _TOP_LEVEL: Mapping[str, _Check] = {
     "fallback_network": _bool,
     "pod_cidrs": lambda s, k, v: _str_list(s, k, v, _cidr),
     "shutdown_drain": _duration,
+    "antispoof": _antispoof,
     "bus": _string,
     "log_level": _log_level,
 }
@@ -345,7 +363,8 @@ _SECTIONS: dict[str, tuple[type[Any], Mapping[str, _Check]]] = {
                               "capabilities": _str_list, "max_sandboxes": _count,
                               "max_attachments": _count, "members_share": _share,
                               "host_ports": lambda s, k, v: _str_list(s, k, v, _port_range),
-                              "cni_args": lambda s, k, v: _str_list(s, k, v, _arg_key)}),
+                              "cni_args": lambda s, k, v: _str_list(s, k, v, _arg_key),
+                              "unprotected_networks": _str_list}),
     "gc": (GCConfig, {"networks": _str_list, "interval": _duration}),
     "check": (CheckConfig, {"interval": _duration, "repair": _bool,
                             "repair_new_address": _bool, "concurrency": _positive_int}),

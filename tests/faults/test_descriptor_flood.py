@@ -164,7 +164,9 @@ def test_a_plugin_inherits_only_stdin_stdout_stderr(
     control.update(record_fds=True)
     if caller == "member":
         # What members may use is the admin's to open (issue 35: access.networks).
-        agent = make_agent(bus=permissive_bus, access={"groups": [member], "networks": ["testnet"]})
+        # testnet is no bridge: opened to members as unprotected (issue 44).
+        agent = make_agent(bus=permissive_bus, access={"groups": [member], "networks": ["testnet"],
+                                                       "unprotected_networks": ["testnet"]})
         ns = own_netns(member)
         stranger = Stranger(permissive_bus.address, user=member, member=True)
     else:

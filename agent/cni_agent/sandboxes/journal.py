@@ -47,6 +47,7 @@ from cni_agent.node.netns import (
 from cni_agent.sandboxes import cacheview
 from cni_agent.sandboxes.cacheview import entry_of
 from cni_agent.sandboxes.records import Attachment, DamagedRecord, Phase, SandboxRecord
+from cni_agent.sandboxes.spoofguard import Guard
 from cni_agent.sandboxes.store import SandboxStore
 
 log = logging.getLogger(__name__)
@@ -170,8 +171,12 @@ class Journal:
         current: Callable[[str], NetworkConfigList | None] = lambda name: None,
         lock_timeout: float = 60.0,
         paths: PathWorker | None = None,
+        guard: Guard | None = None,
     ) -> None:
         self.runtime = runtime
+        # Members' anti-spoofing filters, installed and removed with their
+        # attachments (without nftables: none, and members get no filterable network).
+        self.guard = guard or Guard(None)
         # Every open of a caller's (or recorded) netns path goes through here.
         self.paths = paths or PathWorker()
         self.store = store
@@ -368,6 +373,9 @@ class Journal:
         with log_fields(NETWORK=net.name, IFNAME=att.ifname):
             async with self.netlocks.use(net.name, self.lock_timeout):
                 result = await self.runtime.add(net, rt)
+            # Before it is ready or answered: a member's pod is never reported
+            # set up unfiltered. AntispoofFailed is the ADD's failure (rolled back).
+            await self.guard.added(rec, att, net, result)
             ready = set(ready)
             rec = rec.with_attachments(
                 replace(a, result=result if a.ifname == att.ifname else a.result,
@@ -428,7 +436,7 @@ class Journal:
             # Its rollback DEL (the spec requires it), then one write: still in
             # the record, lost. A failed rollback DEL is the retry's first DEL.
             try:
-                await self._delete(rec.sandbox_id, new, ns, None)
+                await self._delete(rec.sandbox_id, new, ns, None, rec.owner)
             except CNIError as undo:
                 log.warning("sandbox %s: DEL after the failed ADD of %s/%s failed (retried "
                             "with it): %s", rec.sandbox_id, att.network, att.ifname, undo)
@@ -511,7 +519,7 @@ class Journal:
         gone = set(unstarted)
         for att in reversed(targets):
             try:
-                await self._delete(sid, att, ns, entries.get((att.network, att.ifname)))
+                await self._delete(sid, att, ns, entries.get((att.network, att.ifname)), rec.owner)
             except EntryKept as e:  # released; only its entry is left
                 gone.add(att.ifname)
                 missed.append(f"the removal of the cache entry of {att.network}/{att.ifname}")
@@ -542,13 +550,15 @@ class Journal:
         return Removal(kept, errors, unrecorded)
 
     async def _delete(self, sandbox_id: str, att: Attachment, ns: Pinned | None,
-                      entry: CachedAttachment | None) -> None:
+                      entry: CachedAttachment | None, owner: int) -> None:
         with log_fields(NETWORK=att.network, IFNAME=att.ifname):
             net = self._config_for(att, entry)
             rt = _conf(sandbox_id, att, ns)
             prev = _as_plugin_sees(entry.result, ns) if entry else None
             async with self.netlocks.use(att.network, self.lock_timeout):
                 await self.runtime.delete(net, rt, prev_result=prev, use_cache=False)
+            await self.guard.deleted(sandbox_id, owner, att, net,
+                                     entry.result if entry else att.result)
             log.debug("sandbox %s: %s/%s deleted", sandbox_id, att.network, att.ifname)
 
     def _config_for(self, att: Attachment, entry: CachedAttachment | None) -> NetworkConfigList:

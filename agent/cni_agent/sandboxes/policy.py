@@ -22,7 +22,9 @@ CVE-2026-39402); this module is stricter than both:
   `access.max_attachments` attachments, each network at most once per
   sandbox (`attachments`), and all such callers together at most
   `access.members_share` of a network's addresses where its config gives
-  the pool size (`addresses`): the rest is root's reserve;
+  the pool size (`addresses`): the rest is root's reserve; and only on
+  networks whose attachments get anti-spoofing filters unless the admin
+  lists them in `access.unprotected_networks` (`spoofing`);
 - no caller, root included, maps a host port another sandbox maps (`HostPort`:
   hostIP, protocol and port, normalized before any comparison);
 - node-wide state (Reload, pod CIDRs) is root's (or polkit's `configure`,
@@ -138,14 +140,18 @@ class Policy:
     open_host_ports: tuple[tuple[int, int], ...] = ()
     # `access.cni_args`: CNI_ARGS keys besides IgnoreUnknown (and IP/MAC, the capabilities').
     open_cni_args: frozenset[str] = frozenset()
+    # Opened networks the agent cannot filter spoofing on that members may use anyway.
+    unprotected_networks: frozenset[str] = frozenset()
 
     @classmethod
     def of(cls, networks: Iterable[str] = (), capabilities: Iterable[str] = (),
            max_sandboxes: int = 16, *, max_attachments: int = 16, members_share: float = 0.5,
-           host_ports: Iterable[tuple[int, int]] = (), cni_args: Iterable[str] = ()) -> Policy:
+           host_ports: Iterable[tuple[int, int]] = (), cni_args: Iterable[str] = (),
+           unprotected_networks: Iterable[str] = ()) -> Policy:
         return cls(frozenset(networks), frozenset(capabilities), max_sandboxes,
                    max_attachments=max_attachments, members_share=members_share,
-                   open_host_ports=tuple(host_ports), open_cni_args=frozenset(cni_args))
+                   open_host_ports=tuple(host_ports), open_cni_args=frozenset(cni_args),
+                   unprotected_networks=frozenset(unprotected_networks))
 
     # --- methods ---------------------------------------------------------------------
 
@@ -265,6 +271,17 @@ class Policy:
         opened = ", ".join(sorted(self.open_networks)) or "none"
         raise denied(f"network {name} is not open to callers that are not root (access.networks: "
                      f"{opened})")
+
+    def spoofing(self, caller: Caller, name: str, unprotected: str) -> None:
+        """A network whose attachments would go without anti-spoofing filters
+        (`unprotected` says why; "" when they get them) reaches callers that
+        are not root only when the admin lists it in access.unprotected_networks:
+        on it, a member's pod can claim another pod's MAC and addresses."""
+        if caller.root or not unprotected or name in self.unprotected_networks:
+            return
+        raise denied(f"network {name} cannot be protected against address spoofing here "
+                     f"({unprotected}); callers that are not root may use it only if "
+                     "access.unprotected_networks lists it")
 
     def capabilities(self, caller: Caller, caps: Mapping[str, Any],
                      args: Iterable[tuple[str, str]] = ()) -> None:

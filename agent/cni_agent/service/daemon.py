@@ -171,6 +171,7 @@ class Daemon:
         self.monitor.grace_period = cfg.monitor.grace_period
         self.pod_cidrs.configure(cfg.pod_cidrs)
         self.manager.policy = policy_of(cfg)
+        self.core.journal.guard.reprobe()  # nftables may have been installed since
         if hasattr(self, "iface"):
             self.iface.authorizer.set_groups(cfg.access.groups)
         set_log_level(cfg.log_level)
@@ -280,11 +281,11 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.add_signal_handler(sig, self._on_signal, sig)
         self._recovery = asyncio.create_task(self._recover(), name="cni-agent-recovery")
-        if self.core.drift.on:
-            try:
-                await FirewalldWatch(bus, self.core.drift.trigger).start()
-            except Exception as e:
-                log.warning("cannot watch firewalld: %s; its reloads will not trigger CHECKs", e)
+        # Always: with CHECK passes off, a reload still has members' filters checked.
+        try:
+            await FirewalldWatch(bus, self.core.drift.trigger).start()
+        except Exception as e:
+            log.warning("cannot watch firewalld: %s; its reloads will not trigger CHECKs", e)
         await self.monitor.start()
         self.notifier.ready(self.monitor.state.status)
         self.notifier.start_watchdog()
