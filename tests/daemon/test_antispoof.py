@@ -94,7 +94,7 @@ def test_a_members_bridge_attachment_is_filtered_from_setup_to_teardown(
         # Root's pod on the same bridge: unfiltered by default (antispoof: members).
         root_veth, _, _ = veth_mac_ip(agent.setup("rootpod", netns), bridge_name)
         assert set(ports(agent)) == {veth}, root_veth
-        assert cli(agent, member, "teardown", "vm1").returncode == 0
+        assert cli(agent, member, "teardown", "vm1", f"/proc/{mine.pid}/ns/net").returncode == 0
         assert ports(agent) == {}
         assert len(allocations(tmp_path / "ipam", "pods")) == 1  # root's
     finally:

@@ -193,7 +193,7 @@ def test_a_members_teardown_detach_and_check_take_its_descriptor(
         [(err, text), (err2, _)] = member_calls(agent, member, [
             call("Setup", "m3", "not/absolute", fd=path), call("Setup", "m4", "", fd=wrong)])
         assert err == ERR + "InvalidArgument" and "must be empty or an absolute path" in text
-        assert err2 is None and "eth0" in links(another.pid)
+        assert err2 is None and "eth0" in links(another.pid), _
         [(err, _)] = member_calls(agent, member, [call("Teardown", "m4", "", fd=wrong)])
         assert err is None and links(another.pid) == ["lo"]
         # Teardown with it, through the CLI.

@@ -81,9 +81,11 @@ def port_filter(att: Attachment, net: NetworkConfigList, result: Mapping[str, An
     where = f"{att.network}/{att.ifname}"
     bridge = str(net.plugins[0].raw.get("bridge") or DEFAULT_BRIDGE)
     ifaces = [i for i in result.get("interfaces") or () if isinstance(i, Mapping)]
-    pod = [n for n, i in enumerate(ifaces) if i.get("name") == att.ifname and i.get("sandbox")]
+    # A pod interface is one with a `sandbox` key, even "": the label a member
+    # may give its namespace replaces the path (cni.result.with_sandbox).
+    pod = [n for n, i in enumerate(ifaces) if i.get("name") == att.ifname and "sandbox" in i]
     hosts = [str(i.get("name")) for i in ifaces
-             if not i.get("sandbox") and i.get("name") and i.get("name") != bridge]
+             if "sandbox" not in i and i.get("name") and i.get("name") != bridge]
     if len(pod) != 1 or len(hosts) != 1:
         raise AntispoofFailed(f"{where}: its result does not name one pod interface and one "
                               "host-side veth, so no anti-spoofing filter can be made for it")
