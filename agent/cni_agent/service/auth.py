@@ -77,14 +77,9 @@ class Authorizer:
             return Caller(0, Role.ROOT)
         return Caller(uid, Role.MEMBER if gids & self.gids else Role.STRANGER)
 
-    def learn(self, sender: str) -> None:
-        """Read a sender's credentials in the background (a stranger's property
-        reads, say, which no method of ours serves), so its next calls are known."""
-        if sender not in self._cache:
-            self._lookup(sender)
-
-    def _lookup(self, sender: str) -> asyncio.Task[tuple[int, frozenset[int]]]:
-        """One bus call per sender, however many calls wait for its answer."""
+    def lookup(self, sender: str) -> asyncio.Task[tuple[int, frozenset[int]]]:
+        """Read a sender's credentials: one bus call per sender, however many
+        wait for its answer (the gate holds a sender's messages until then)."""
         task = self._asking.get(sender)
         if task is None:
             task = self._asking[sender] = asyncio.ensure_future(self._read_credentials(sender))
@@ -95,7 +90,7 @@ class Authorizer:
     async def _credentials(self, sender: str) -> tuple[int, frozenset[int]]:
         if sender in self._cache:
             return self._cache[sender]
-        return await asyncio.shield(self._lookup(sender))
+        return await asyncio.shield(self.lookup(sender))
 
     async def _read_credentials(self, sender: str) -> tuple[int, frozenset[int]]:
         reply = await self.bus.call(Message(
