@@ -143,8 +143,13 @@ class Callers:
                     return sendable(await work(caller))
         else:
             caller = await self.authorizer.authorize(caller, sender, name, scope, interactive)
+        # Counted for the drain while it waits for its share too: a member's
+        # call accepted before SIGTERM is served, not dropped.
+        return sendable(await self._counted(name, scope, lambda: self._shared(caller, work)))
+
+    async def _shared(self, caller: Caller, work: Callable[[Caller], Awaitable[T]]) -> T:
         async with self.limits.share(caller):
-            return sendable(await self._counted(name, scope, lambda: work(caller)))
+            return await work(caller)
 
     async def _counted(self, name: str, scope: Scope, work: Callable[[], Awaitable[T]]) -> T:
         """In flight for the drain; a call that may change something also marks
