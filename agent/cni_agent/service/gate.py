@@ -17,9 +17,9 @@ together), before dbus-fast serves even a property read or an Introspect.
 So nothing is served before the caller's uid is known: the first message of
 a connection starts the lookup (GetConnectionCredentials, once per sender)
 and it and the ones after it wait, in a queue of that connection's (HELD
-messages; HELD_ALL for all connections together), until the answer comes;
-they are then taken in order as if they had just arrived. A message past
-either bound is answered Busy at once (its descriptors closed; nothing
+messages; HELD_ALL for all connections together, each one's first message
+aside), until the answer comes; they are then taken in order as if they had
+just arrived. A message past either bound is answered Busy at once (its descriptors closed; nothing
 answered when no reply is expected), so a caller that pipelines a flood on
 a new connection is refused what the queue cannot hold instead of being
 served unlimited. If the lookup fails (the caller left), the waiting calls
@@ -48,8 +48,11 @@ log = logging.getLogger(__name__)
 # Our methods that take a descriptor (option netns_fd, D-Bus type h).
 TAKES_DESCRIPTORS = frozenset({"Setup", "Attach"})
 INVALID_ARGS = "org.freedesktop.DBus.Error.InvalidArgs"
-HELD = 64  # a connection's calls waiting for its uid to be known
-HELD_ALL = 4096  # all connections' together
+# A connection's calls waiting for its uid to be known: the system bus's own
+# bound of calls pending a reply per connection (max_replies_per_connection),
+# so that a caller the bus lets through is never refused for it.
+HELD = 128
+HELD_ALL = 4096  # all connections' together (each connection's first call aside)
 
 
 @dataclass(frozen=True)
@@ -221,11 +224,14 @@ class Gate:
         sender = msg.sender
         assert sender is not None
         held = self._held.get(sender)
-        if self._held_count >= HELD_ALL or (held is not None and len(held) >= HELD):
+        # A connection's first call is always taken (the lookup starts with it;
+        # the bus bounds the connections): root's one call on a new one is never
+        # refused, however many strangers' calls wait.
+        if held is not None and (len(held) >= HELD or self._held_count >= HELD_ALL):
             close_all(fds)
             if not wants_reply:
                 return True
-            bound = (f"{HELD} calls of this connection" if held is not None and len(held) >= HELD
+            bound = (f"{HELD} calls of this connection" if len(held) >= HELD
                      else f"{HELD_ALL} calls of all connections")
             return Message.new_error(
                 msg, ERROR_PREFIX + "Busy",
