@@ -142,11 +142,6 @@ class Gate:
         self._held_count = 0
         self._replay: _Replay | None = None
 
-    @property
-    def held(self) -> int:
-        """Calls waiting for their sender's uid, all connections together."""
-        return self._held_count
-
     def _ours(self, msg: Message) -> bool:
         return msg.path == OBJECT_PATH and msg.interface in (INTERFACE, None)
 
