@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import unique_name
-from tests.support.agent import Agent, Bus, as_user, readable_source
+from tests.support.agent import Agent, Bus, as_member, as_user, readable_source
 from tests.support.dbusclient import SyncClient
 from tests.support.plugins import wait_for
 from tests.support.stranger import readable_dbus_fast
@@ -32,20 +32,41 @@ UIDS = 8
 STRANGERS_TOGETHER = "from all callers neither root nor in the access group together"
 
 
-@pytest.fixture
-def users() -> Iterator[list[str]]:
-    """UIDS users of their own (each in a group of its own, none an access group)."""
-    names = [unique_name(f"cnis{i}")[:30] for i in range(UIDS)]
+def make_users(tag: str, extra: list[str]) -> Iterator[list[str]]:
+    """UIDS users of their own, each in a group of its own (and `extra` ones)."""
+    names = [unique_name(f"{tag}{i}")[:30] for i in range(UIDS)]
     try:
         for name in names:
             subprocess.run(["useradd", "--system", "--no-create-home", "--shell",
-                            "/usr/sbin/nologin", "-U", name], check=True)
+                            "/usr/sbin/nologin", "-U", *(["-G", ",".join(extra)] if extra else []),
+                            name], check=True)
         yield names
     finally:
         for name in names:
             subprocess.run(["pkill", "-KILL", "-u", name], check=False, capture_output=True)
             subprocess.run(["userdel", name], check=False, capture_output=True)
             subprocess.run(["groupdel", name], check=False, capture_output=True)
+
+
+@pytest.fixture
+def users() -> Iterator[list[str]]:
+    """UIDS strangers: in no access group."""
+    yield from make_users("cnis", [])
+
+
+@pytest.fixture
+def group() -> Iterator[str]:
+    """A group of its own: the agent's access group in a test."""
+    name = unique_name("cnig")[:30]
+    subprocess.run(["groupadd", name], check=True)
+    yield name
+    subprocess.run(["groupdel", name], check=False, capture_output=True)
+
+
+@pytest.fixture
+def members(group: str) -> Iterator[list[str]]:
+    """UIDS members of `group`."""
+    yield from make_users("cnim", [group])
 
 
 CLIENT = """
@@ -84,14 +105,16 @@ asyncio.run(run())
 """
 
 
-def as_stranger(user: str, address: str, body: str) -> subprocess.Popen[str]:
+def as_stranger(user: str, address: str, body: str, member: bool = False
+                ) -> subprocess.Popen[str]:
     """`body` (defining `async def main(call)`; `connection()`, `say(obj)` and
     `await go()` at hand) run as `user`, in the background, with the tests'
     own dbus-fast (Debian's 1.84 fails on EAGAIN when it writes thousands of
     calls at once)."""
     code = textwrap.dedent(body) + CLIENT.format(
         dbus_fast=str(readable_dbus_fast()), src=str(readable_source()), address=address)
-    return subprocess.Popen([*as_user(user), "/usr/bin/python3", "-I", "-c", code],
+    prefix = as_member(user) if member else as_user(user)
+    return subprocess.Popen([*prefix, "/usr/bin/python3", "-I", "-c", code],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 
@@ -162,6 +185,48 @@ def test_many_uids_flooding_share_one_budget_and_roots_calls_are_all_answered(
     assert all(STRANGERS_TOGETHER in text for _, text in errors), errors[:5]
     assert len(errors) >= UIDS * 50 - 120 - 60, len(errors)  # the shared burst, and a little
     assert agent.call("ListSandboxes")[0] == []
+    assert "Traceback" not in agent.log()
+
+
+def test_members_together_have_a_budget_of_their_own_and_roots_calls_are_answered(
+    make_agent: Callable[..., Agent], permissive_bus: Bus, testnet: Callable[..., Path],
+    netns: str, group: str, members: list[str],
+) -> None:
+    """8 members each send 100 property reads at once: members have no rate
+    per uid, but all of them together are over theirs (a burst of 400). The
+    excess is Busy naming the members' budget, never the strangers'; root's
+    Setups and Teardowns meanwhile are all answered."""
+    testnet()
+    agent = make_agent(bus=permissive_bus, access={"groups": [group]})
+    procs = [as_stranger(user, agent.bus.address, """
+        async def main(call):
+            assert (await call("Ping", iface="org.freedesktop.DBus.Peer"))[0] is None
+            say("ready")
+            await go()
+            get = ("Get", "ss", ["org.cniagent.Agent1", "NetworkReady"],
+                   "org.freedesktop.DBus.Properties")
+            say(await asyncio.gather(*(call(*get) for _ in range(100))))
+        """, member=True) for user in members]
+    client = SyncClient(agent.bus.address)
+    try:
+        ready(procs)
+        start(procs)
+        for i in range(3):
+            err, text = client.call("Setup", "ssa{sv}", [f"r{i}", netns, {}])
+            assert err is None, (err, text)
+            err, text = client.call("Teardown", "ssa{sv}", [f"r{i}", netns, {}])
+            assert err is None, (err, text)
+        got = answers(procs)
+    finally:
+        client.close()
+        for p in procs:
+            p.kill()
+    assert len(got) == UIDS * 100
+    errors = [(name, text) for name, text in got if name is not None]
+    assert {name for name, _ in errors} == {ERR + "Busy"}, errors[:5]
+    assert all("from all members of the access group and polkit's delegates together" in text
+               for _, text in errors), errors[:5]
+    assert len(errors) >= UIDS * 100 - 400 - 200, len(errors)  # the burst, and a second's rate
     assert "Traceback" not in agent.log()
 
 
