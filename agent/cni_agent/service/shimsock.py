@@ -6,8 +6,9 @@ GetConnectionCredentials of the new connection) and libsystemd's start-up;
 here it is one connect and one exchange. The call is the D-Bus CNICall's:
 `Callers.serve` (the caller's role from SO_PEERCRED and SO_PEERGROUPS, as
 the bus daemon reads them; the policy; the rates and shares of callers that
-are not root, shared with the bus; the drain's count) and `cnicall`, and a failure comes back as the same
-error name and message, so the shim turns it into the same CNI error. The
+are not root, shared with the bus; the drain's count) and `cnicall`, and a
+failure comes back as the same error name and message, so the shim turns it
+into the same CNI error. The
 D-Bus API stays for every other client, and the shim falls back to it when
 this socket is not there (bus activation starts a stopped agent).
 
@@ -26,8 +27,8 @@ that stops reading) is dropped. Strangers: CONNECTIONS at once per uid
 (STRANGER_CONNECTIONS in all). The rates and shares are the bus's, counted
 together (`limits`): a caller is known by SO_PEERCRED at once, so nothing
 waits for a lookup here; over a rate, Busy after the tarpit's delay; root's
-calls are never counted nor made to wait. Every request is answered, a malformed one with
-InvalidArgument saying what is wrong.
+calls are never counted nor made to wait. Every request is answered, a
+malformed one with InvalidArgument saying what is wrong.
 """
 
 from __future__ import annotations
