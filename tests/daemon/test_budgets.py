@@ -230,16 +230,32 @@ def test_members_together_have_a_budget_of_their_own_and_roots_calls_are_answere
     assert "Traceback" not in agent.log()
 
 
+SHIM_STATUS = """
+import json, socket, struct, sys
+env, config = b"CNI_COMMAND=STATUS\\0", b'{"cniVersion": "1.1.0", "name": "testnet"}'
+request = b"CNA1" + struct.pack(">I", len(env)) + env + struct.pack(">I", len(config)) + config
+with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+    s.connect(sys.argv[1])
+    s.sendall(request)
+    reply = b""
+    while chunk := s.recv(65536):
+        reply += chunk
+_status, name, text = struct.unpack(">III", reply[4:16])
+print(json.dumps([reply[16:16 + name].decode(), reply[16 + name:16 + name + text].decode()]))
+"""
+
+
 def test_strangers_calls_wait_for_their_share_and_roots_are_served_first(
     make_agent: Callable[..., Agent], permissive_bus: Bus, testnet: Callable[..., Path],
-    users: list[str],
+    users: list[str], open_dir: Path,
 ) -> None:
     """While no network is ready, 8 users each wait for readiness 8 times at
     once (each uid's bound): all strangers together are served 8 at once and
-    32 wait; the others are Busy at once. Root's calls, sent after, are
-    answered while those wait; once a network is ready, every waiting call
-    is answered too."""
-    agent = make_agent(bus=permissive_bus)  # no network: not ready
+    32 wait; the others are Busy at once, and so is another stranger's STATUS
+    over the shim's socket (one share, both ways in). Root's calls, sent
+    after, are answered while those wait; once a network is ready, every
+    waiting call is answered too."""
+    agent = make_agent(bus=permissive_bus, runtime_dir=str(open_dir))  # no network: not ready
     procs = [as_stranger(user, agent.bus.address, """
         async def main(call):
             assert (await call("Ping", iface="org.freedesktop.DBus.Peer"))[0] is None
@@ -277,6 +293,11 @@ def test_strangers_calls_wait_for_their_share_and_roots_are_served_first(
         busy = said(ERR + "Busy")
         assert len(busy) == refused, busy
         assert all("are being served and 32 wait (all uids together)" in t for t in busy), busy
+        # The shim's socket: the same share (nobody is a ninth uid, within its own bounds).
+        out = subprocess.run([*as_user("nobody"), "/usr/bin/python3", "-I", "-c", SHIM_STATUS,
+                              str(agent.shim_socket)], capture_output=True, text=True, timeout=60)
+        name, text = json.loads(out.stdout or "null") or (None, out.stderr)
+        assert name == ERR + "Busy" and "are being served and 32 wait" in text, (name, text)
         # A network: ready, and every waiting call is answered.
         testnet()
         agent.call("Reload")
