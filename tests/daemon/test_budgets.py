@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import json
 import subprocess
+import sys
 import textwrap
 import threading
 from collections.abc import Callable, Iterator
@@ -21,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import unique_name
+from tests.daemon.test_strangers import POLKIT_THAT_NEVER_ANSWERS
 from tests.support.agent import Agent, Bus, as_member, as_user, readable_source
 from tests.support.dbusclient import SyncClient
 from tests.support.plugins import wait_for
@@ -72,25 +74,15 @@ def members(group: str) -> Iterator[list[str]]:
 CLIENT = """
 import asyncio, json, sys
 sys.path[:0] = [{dbus_fast!r}, {src!r}]
-from dbus_fast import Message, MessageType
+from dbus_fast import Message, MessageFlag, MessageType
 from cni_agent.bus import connect
-class Patient:  # dbus-fast's writer ends the connection on EAGAIN: a flood waits instead
-    def __init__(self, sock):
-        self.sock = sock
-    def send(self, data):
-        try:
-            return self.sock.send(data)
-        except BlockingIOError:
-            return 0
-    def __getattr__(self, name):
-        return getattr(self.sock, name)
+INTERACTIVE = MessageFlag.ALLOW_INTERACTIVE_AUTHORIZATION
 async def connection():  # a new one; call(member, sig, body, iface) -> [error or None, text]
-    bus = await connect({address!r})
-    bus._writer.sock = Patient(bus._writer.sock)
-    async def call(member, sig="", body=(), iface="org.cniagent.Agent1"):
+    bus = await connect({address!r})  # cni_agent's: a flood waits for the socket (EAGAIN)
+    async def call(member, sig="", body=(), iface="org.cniagent.Agent1", flags=0):
         reply = await bus.call(Message(destination="org.cniagent.Agent1",
             path="/org/cniagent/Agent1", interface=iface, member=member,
-            signature=sig, body=list(body)))
+            signature=sig, body=list(body), flags=MessageFlag(flags)))
         if reply.message_type is MessageType.ERROR:
             return [reply.error_name, (reply.body or [""])[0]]
         return [None, ""]
@@ -109,8 +101,7 @@ def as_stranger(user: str, address: str, body: str, member: bool = False
                 ) -> subprocess.Popen[str]:
     """`body` (defining `async def main(call)`; `connection()`, `say(obj)` and
     `await go()` at hand) run as `user`, in the background, with the tests'
-    own dbus-fast (Debian's 1.84 fails on EAGAIN when it writes thousands of
-    calls at once)."""
+    own dbus-fast (Debian's 1.84 writes non-ASCII strings' lengths wrong)."""
     code = textwrap.dedent(body) + CLIENT.format(
         dbus_fast=str(readable_dbus_fast()), src=str(readable_source()), address=address)
     prefix = as_member(user) if member else as_user(user)
@@ -246,39 +237,47 @@ print(json.dumps([reply[16:16 + name].decode(), reply[16 + name:16 + name + text
 
 
 def test_strangers_calls_wait_for_their_share_and_roots_are_served_first(
-    make_agent: Callable[..., Agent], permissive_bus: Bus, testnet: Callable[..., Path],
-    users: list[str], open_dir: Path,
+    make_agent: Callable[..., Agent], testnet: Callable[..., Path], users: list[str],
+    open_dir: Path, netns: str,
 ) -> None:
-    """While no network is ready, 8 users each wait for readiness 8 times at
-    once (each uid's bound): all strangers together are served 8 at once and
-    32 wait; the others are Busy at once, and so is another stranger's STATUS
-    over the shim's socket (one share, both ways in). Root's calls, sent
-    after, are answered while those wait; once a network is ready, every
-    waiting call is answered too."""
-    agent = make_agent(bus=permissive_bus, runtime_dir=str(open_dir))  # no network: not ready
-    procs = [as_stranger(user, agent.bus.address, """
-        async def main(call):
-            assert (await call("Ping", iface="org.freedesktop.DBus.Peer"))[0] is None
-            say("ready")
-            await go()
-            pending = [asyncio.ensure_future(call("WaitReady", "d", [300.0])) for _ in range(8)]
-            for first in asyncio.as_completed(pending):
-                say(["answer", *(await first)])
-            say([t.result() for t in pending])
-        """) for user in users]
-    accepted, refused = 40, UIDS * 8 - 40  # 8 served and 32 waiting; the rest
-    lines: list[list[str | None]] = []  # what the users said, as they say it
-
-    def read(p: subprocess.Popen[str]) -> None:
-        assert p.stdout is not None
-        for line in p.stdout:
-            lines.append(json.loads(line))
-
-    def said(outcome: str | None) -> list[str]:
-        return [str(x[2]) for x in list(lines) if x[0] == "answer" and x[1] == outcome]
-
-    client = SyncClient(agent.bus.address)
+    """8 users each send 8 Setups asking for interactive authorization (each
+    uid's bound), and polkit never answers: the strangers' share serves 8 at
+    once (2 per uid) and 32 wait, the others are Busy at once, and so is
+    another stranger's STATUS over the shim's socket (one share, both ways
+    in). Root's calls, sent after, are answered while those wait; at SIGTERM
+    every waiting call is answered too."""
+    testnet()
+    bus = Bus("permissive")  # the test plays polkit on it
+    polkitd = subprocess.Popen([sys.executable, "-c", POLKIT_THAT_NEVER_ANSWERS, bus.address],
+                               stdout=subprocess.PIPE, text=True)
+    procs: list[subprocess.Popen[str]] = []
+    client: SyncClient | None = None
     try:
+        assert polkitd.stdout is not None and polkitd.stdout.readline().strip() == "ready"
+        agent = make_agent(bus=bus, runtime_dir=str(open_dir))
+        procs = [as_stranger(user, agent.bus.address, """
+            async def main(call):
+                assert (await call("Ping", iface="org.freedesktop.DBus.Peer"))[0] is None
+                say("ready")
+                await go()
+                setup = ("Setup", "ssa{sv}", ["x", "/run/netns/x", {}])
+                pending = [asyncio.ensure_future(call(*setup, flags=INTERACTIVE))
+                           for _ in range(8)]
+                for first in asyncio.as_completed(pending):
+                    say(["answer", *(await first)])
+            """) for user in users]
+        accepted, refused = 40, UIDS * 8 - 40  # 8 served and 32 waiting; the rest
+        lines: list[list[str | None]] = []  # what the users said, as they say it
+
+        def read(p: subprocess.Popen[str]) -> None:
+            assert p.stdout is not None
+            for line in p.stdout:
+                lines.append(json.loads(line))
+
+        def said(outcome: str | None) -> list[str]:
+            return [str(x[2]) for x in list(lines) if x[0] == "answer" and x[1] == outcome]
+
+        client = SyncClient(agent.bus.address)
         ready(procs)
         readers = [threading.Thread(target=read, args=(p,), daemon=True) for p in procs]
         for t in readers:
@@ -286,31 +285,35 @@ def test_strangers_calls_wait_for_their_share_and_roots_are_served_first(
         start(procs)
         wait_for(lambda: len(said(ERR + "Busy")) >= refused, timeout=60)
         # Root, after them: answered, while the strangers' accepted calls wait.
-        for _ in range(5):
-            assert client.call("ListSandboxes")[0] is None
-            assert client.call("WaitReady", "d", [0.0]) == (None, [False])
-        assert said(None) == []
+        assert client.call("Setup", "ssa{sv}", ["r", netns, {}])[0] is None
+        assert client.call("ListSandboxes")[1] == [["r"]]
+        assert client.call("Teardown", "ssa{sv}", ["r", netns, {}])[0] is None
+        assert len([x for x in list(lines) if x[0] == "answer"]) == refused, lines
         busy = said(ERR + "Busy")
-        assert len(busy) == refused, busy
         assert all("are being served and 32 wait (all uids together)" in t for t in busy), busy
         # The shim's socket: the same share (nobody is a ninth uid, within its own bounds).
         out = subprocess.run([*as_user("nobody"), "/usr/bin/python3", "-I", "-c", SHIM_STATUS,
                               str(agent.shim_socket)], capture_output=True, text=True, timeout=60)
         name, text = json.loads(out.stdout or "null") or (None, out.stderr)
         assert name == ERR + "Busy" and "are being served and 32 wait" in text, (name, text)
-        # A network: ready, and every waiting call is answered.
-        testnet()
-        agent.call("Reload")
-        assert agent.call("WaitReady", "d", "30")[0] is True
+        # SIGTERM: every waiting call is answered.
+        client.close()
+        client = None
+        assert agent.stop(timeout=60) == 0
         for p in procs:
             p.wait(timeout=60)
         for t in readers:
             t.join(30)
+        assert len(said(ERR + "ShuttingDown")) == accepted and len(said(ERR + "Busy")) == refused, (
+            lines[-3:])
     finally:
-        client.close()
+        if client is not None:
+            client.close()
         for p in procs:
             p.kill()
-    assert len(said(None)) == accepted and len(said(ERR + "Busy")) == refused, lines[-3:]
+        polkitd.kill()
+        polkitd.communicate()
+        bus.stop()
 
 
 def test_a_strangers_flood_before_its_uid_is_known_is_held_and_bounded(

@@ -26,7 +26,7 @@ def stranger(uid: int) -> Caller:
 
 async def test_waiting_calls_are_served_uid_by_uid_in_turn() -> None:
     """One uid's many calls wait behind each other, not another uid's one."""
-    share = Share("them", slots=1, waiting=16, per_uid=16)
+    share = Share("them", slots=1, waiting=16, per_uid=16, per_uid_slots=1)
     served: list[str] = []
     release = asyncio.Event()
 
@@ -50,7 +50,7 @@ async def test_waiting_calls_are_served_uid_by_uid_in_turn() -> None:
 
 
 async def test_past_its_bounds_a_call_is_busy_naming_the_bound() -> None:
-    share = Share("them", slots=2, waiting=3, per_uid=4)
+    share = Share("them", slots=2, waiting=3, per_uid=4, per_uid_slots=2)
     for _ in range(2):
         await share.enter(1)
     waiters = [asyncio.create_task(share.enter(uid)) for uid in (1, 1, 2)]
@@ -73,7 +73,7 @@ async def test_past_its_bounds_a_call_is_busy_naming_the_bound() -> None:
 
 
 async def test_a_call_cancelled_while_waiting_gives_its_turn_to_the_next() -> None:
-    share = Share("them", slots=1, waiting=4, per_uid=4)
+    share = Share("them", slots=1, waiting=4, per_uid=4, per_uid_slots=1)
     await share.enter(1)
     gone = asyncio.create_task(share.enter(2))
     after = asyncio.create_task(share.enter(3))
@@ -85,6 +85,44 @@ async def test_a_call_cancelled_while_waiting_gives_its_turn_to_the_next() -> No
     with pytest.raises(asyncio.CancelledError):
         await gone
     share.leave(3)
+    assert share.serving == 0
+
+
+async def test_one_uids_long_calls_never_hold_every_slot() -> None:
+    """A uid holds at most `per_uid_slots` of the slots: another uid's call is
+    served at once beside its long ones, and its own extra ones wait."""
+    share = Share("them", slots=4, waiting=8, per_uid=8, per_uid_slots=2)
+    await share.enter(1)
+    await share.enter(1)
+    third = asyncio.create_task(share.enter(1))
+    await asyncio.sleep(0)
+    assert not third.done() and share.serving == 2
+    await share.enter(2)  # at once: slots are free and uid 2 holds none
+    await share.enter(2)
+    assert share.serving == 4 and not third.done()
+    share.leave(2)  # uid 1 still at its bound: the slot stays free for others
+    await asyncio.sleep(0)
+    assert not third.done() and share.serving == 3
+    share.leave(1)
+    await third
+    assert share.serving == 3
+    for uid in (1, 1, 2):
+        share.leave(uid)
+    assert share.serving == 0
+
+
+async def test_a_call_that_only_waits_holds_no_slot() -> None:
+    share = Share("them", slots=1, waiting=0, per_uid=3, per_uid_slots=1)
+    for _ in range(2):
+        await share.enter(1, slot=False)  # WaitReady: counted per uid only
+    await share.enter(2)  # the one slot is free still
+    with pytest.raises(AgentError) as per_uid:
+        await share.enter(1, slot=False)
+        await share.enter(1, slot=False)
+    assert per_uid.value.message == "at most 3 calls at once per uid (for them)"
+    share.leave(2)
+    for _ in range(3):
+        share.leave(1, slot=False)
     assert share.serving == 0
 
 

@@ -45,6 +45,9 @@ UNPRIVILEGED_MAX_REPLY = 64 * 1024
 # Calls that only read: a runtime or a monitor polling them says nothing about
 # work to come, so they never hold a drain up (CNICall STATUS and VERSION too).
 READS = frozenset({"WaitReady", "Show", "ListSandboxes"})
+# Calls that only wait (for readiness, up to a day): counted against the
+# caller's uid, but holding no slot of its class's share while they wait.
+WAITS = frozenset({"WaitReady"})
 
 Credentials = tuple[int, frozenset[int]]  # uid, gids
 
@@ -136,8 +139,9 @@ class Callers:
             over = self.limits.take(caller)
             if over is not None:
                 raise over
+        slot = name not in WAITS
         if caller.role is Role.STRANGER:
-            async with self.limits.share(caller):
+            async with self.limits.share(caller, slot):
                 caller = await self.authorizer.authorize(caller, sender, name, scope, interactive)
                 if caller.role is Role.STRANGER:  # a read, within the strangers' share
                     return sendable(await work(caller))
@@ -145,10 +149,12 @@ class Callers:
             caller = await self.authorizer.authorize(caller, sender, name, scope, interactive)
         # Counted for the drain while it waits for its share too: a member's
         # call accepted before SIGTERM is served, not dropped.
-        return sendable(await self._counted(name, scope, lambda: self._shared(caller, work)))
+        return sendable(await self._counted(name, scope,
+                                            lambda: self._shared(caller, work, slot)))
 
-    async def _shared(self, caller: Caller, work: Callable[[Caller], Awaitable[T]]) -> T:
-        async with self.limits.share(caller):
+    async def _shared(self, caller: Caller, work: Callable[[Caller], Awaitable[T]],
+                      slot: bool) -> T:
+        async with self.limits.share(caller, slot):
             return await work(caller)
 
     async def _counted(self, name: str, scope: Scope, work: Callable[[], Awaitable[T]]) -> T:

@@ -13,10 +13,12 @@ could flood it. Two kinds of bound, each per uid and per class of callers
   a flooder that waits for each answer slows down to our pace, and answering
   it costs us a timer, not a method);
 - a share of the calls being served (`Share`, a fair queue per class): at
-  most `slots` of the class's calls are served at once, the others wait,
-  taken in turn uid by uid (one uid's many calls wait behind each other, not
-  behind another uid's), at most `waiting` of them; a uid holds at most
-  `per_uid` (served or waiting). Past a bound: `Busy` at once.
+  most `slots` of the class's calls are served at once, at most
+  `per_uid_slots` of them one uid's; the others wait, taken in turn uid by
+  uid (one uid's many calls wait behind each other, not behind another
+  uid's), at most `waiting` of them; a uid holds at most `per_uid` (served
+  or waiting). Past a bound: `Busy` at once. WaitReady, which only waits,
+  counts against its uid's `per_uid` but holds no slot.
 
 Root is in neither: its calls never wait for a share and are never counted,
 so they are served first, whatever the others send. The counts are per uid
@@ -45,11 +47,13 @@ STRANGERS_RATE = 40.0
 STRANGERS_BURST = 120.0
 STRANGERS_SLOTS = 8  # served at once
 STRANGERS_WAITING = 32  # waiting for one of those
+STRANGER_SLOTS = 2  # of those served at once, one uid's
 # All members (and polkit's delegates) together; each member's uid.
 MEMBERS_RATE = 200.0
 MEMBERS_BURST = 400.0
 MEMBERS_SLOTS = 16
 MEMBERS_WAITING = 256
+MEMBER_SLOTS = 4
 MEMBER_IN_FLIGHT = 64  # a member's uid: served or waiting
 TARPIT = 1.0  # seconds an over-rate call waits for its Busy
 MAX_TARPIT = 1024  # delayed answers held at once, all uids: past it, answered at once
@@ -74,28 +78,40 @@ class Share:
     """One class's share of the calls served at once: a fair queue.
 
     `enter(uid)` returns once the call may be served (at once while a slot is
-    free and nobody waits), or raises Busy past a bound; `leave(uid)` ends it.
-    Waiting calls are granted in turn uid by uid, each uid's in arrival order.
+    free and the uid holds fewer than `per_uid_slots` of them), or raises Busy
+    past a bound; `leave(uid)` ends it. Waiting calls are granted in turn uid
+    by uid, each uid's in arrival order, a uid at its `per_uid_slots` passed
+    over: one uid's long calls cannot hold every slot. A call that only waits
+    (`slot=False`: WaitReady, which costs nothing while it waits) counts
+    against its uid's `per_uid` but takes no slot.
     """
 
-    def __init__(self, who: str, slots: int, waiting: int, per_uid: int) -> None:
+    def __init__(self, who: str, slots: int, waiting: int, per_uid: int,
+                 per_uid_slots: int) -> None:
         self.who = who
         self.slots = slots
         self.waiting = waiting
         self.per_uid = per_uid
+        self.per_uid_slots = per_uid_slots
         self.serving = 0
         self._held: collections.Counter[int] = collections.Counter()  # served or waiting
+        self._serving: collections.Counter[int] = collections.Counter()  # slots per uid
         # uid → its waiting calls; the first uid is served next, then goes last.
         self._queues: collections.OrderedDict[int, collections.deque[asyncio.Future[None]]] = (
             collections.OrderedDict())
         self._waiting = 0
 
-    async def enter(self, uid: int) -> None:
+    async def enter(self, uid: int, slot: bool = True) -> None:
         if self._held[uid] >= self.per_uid:
             raise AgentError(ErrorKind.BUSY, f"at most {self.per_uid} calls at once per uid "
                                              f"(for {self.who})")
-        if self.serving < self.slots and not self._queues:
-            self.serving += 1
+        if not slot:
+            self._held[uid] += 1
+            return
+        # A free slot means every waiting call's uid is at its own bound (they
+        # are granted as slots free): this one goes first only if it is not.
+        if self.serving < self.slots and self._serving[uid] < self.per_uid_slots:
+            self._serve(uid)
             self._held[uid] += 1
             return
         if self._waiting >= self.waiting:
@@ -114,6 +130,10 @@ class Share:
                 self._drop(uid, turn)
             raise
 
+    def _serve(self, uid: int) -> None:
+        self.serving += 1
+        self._serving[uid] += 1
+
     def _drop(self, uid: int, turn: asyncio.Future[None]) -> None:
         """A waiting call that went (its caller left, the agent stops)."""
         queue = self._queues.get(uid)
@@ -129,21 +149,39 @@ class Share:
         if self._held[uid] <= 0:
             del self._held[uid]
 
-    def leave(self, uid: int) -> None:
-        self.serving -= 1
+    def leave(self, uid: int, slot: bool = True) -> None:
         self._release(uid)
-        while self._queues and self.serving < self.slots:
-            next_uid, queue = next(iter(self._queues.items()))
-            turn = queue.popleft()
-            self._waiting -= 1
-            if queue:
-                self._queues.move_to_end(next_uid)  # the other uids first
-            else:
-                del self._queues[next_uid]
-            if turn.done():  # cancelled, its task not yet told: it releases its own count
-                continue
-            self.serving += 1
-            turn.set_result(None)
+        if not slot:
+            return
+        self.serving -= 1
+        self._serving[uid] -= 1
+        if self._serving[uid] <= 0:
+            del self._serving[uid]
+        self._grant()
+
+    def _grant(self) -> None:
+        """Free slots to waiting calls, uid by uid in turn (those under their bound)."""
+        granted = True
+        while granted and self.serving < self.slots:
+            granted = False
+            for next_uid in list(self._queues):
+                if self.serving >= self.slots:
+                    return
+                if self._serving[next_uid] >= self.per_uid_slots:
+                    continue
+                queue = self._queues[next_uid]
+                while queue and queue[0].done():  # cancelled, its task not yet told
+                    queue.popleft()
+                    self._waiting -= 1
+                if queue:
+                    self._waiting -= 1
+                    self._serve(next_uid)
+                    queue.popleft().set_result(None)
+                    granted = True
+                if queue:
+                    self._queues.move_to_end(next_uid)  # the other uids first
+                else:
+                    del self._queues[next_uid]
 
 
 class Limits:
@@ -155,8 +193,10 @@ class Limits:
         self._buckets: dict[int, _Bucket] = {}  # strangers' uids
         self._strangers = _Bucket(STRANGERS_BURST, clock())
         self._members = _Bucket(MEMBERS_BURST, clock())
-        self.strangers = Share(STRANGERS, STRANGERS_SLOTS, STRANGERS_WAITING, IN_FLIGHT)
-        self.members = Share(MEMBERS, MEMBERS_SLOTS, MEMBERS_WAITING, MEMBER_IN_FLIGHT)
+        self.strangers = Share(STRANGERS, STRANGERS_SLOTS, STRANGERS_WAITING, IN_FLIGHT,
+                               STRANGER_SLOTS)
+        self.members = Share(MEMBERS, MEMBERS_SLOTS, MEMBERS_WAITING, MEMBER_IN_FLIGHT,
+                             MEMBER_SLOTS)
         self._tarpitted = 0  # delayed answers not yet sent
 
     def _bucket(self, uid: int, now: float) -> _Bucket:
@@ -196,18 +236,19 @@ class Limits:
         return None
 
     @asynccontextmanager
-    async def share(self, caller: Caller) -> AsyncIterator[None]:
+    async def share(self, caller: Caller, slot: bool = True) -> AsyncIterator[None]:
         """One call of `caller` served within its class's share (root: at
-        once, never counted); Busy past a bound."""
+        once, never counted); Busy past a bound. `slot=False`: a call that
+        only waits, counted per uid but holding no slot."""
         if caller.role is Role.ROOT:
             yield
             return
         share = self.strangers if caller.role is Role.STRANGER else self.members
-        await share.enter(caller.uid)
+        await share.enter(caller.uid, slot)
         try:
             yield
         finally:
-            share.leave(caller.uid)
+            share.leave(caller.uid, slot)
 
     def tarpit(self, answer: Callable[[], object]) -> bool:
         """Call `answer` (an over-rate call's Busy) after the tarpit's delay;
