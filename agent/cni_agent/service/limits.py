@@ -3,13 +3,13 @@ they may take, so that root's calls keep their latency however many uids flood.
 
 Anyone on the node may read the agent's state (properties, WaitReady, the
 shim's STATUS and VERSION) and members may manage their sandboxes, so either
-could flood it. Two kinds of bound, each per uid and per class of callers
-(all strangers together; all members and polkit's delegates together):
+could flood it. Two kinds of bound, per class of callers (all strangers
+together; all members and polkit's delegates together) and per uid:
 
 - a rate (token buckets over every message or request, taken synchronously
   by the bus's gate and the shim's socket before anything is served): a
   stranger's uid RATE a second, all strangers STRANGERS_RATE, all members
-  MEMBERS_RATE. A call over it is answered `Busy` after a delay (a tarpit:
+  MEMBERS_RATE (a member's uid has no rate of its own). A call over it is answered `Busy` after a delay (a tarpit:
   a flooder that waits for each answer slows down to our pace, and answering
   it costs us a timer, not a method);
 - a share of the calls being served (`Share`, a fair queue per class): at
@@ -53,7 +53,7 @@ MEMBERS_RATE = 200.0
 MEMBERS_BURST = 400.0
 MEMBERS_SLOTS = 16
 MEMBERS_WAITING = 256
-MEMBER_SLOTS = 4
+MEMBER_SLOTS = 4  # of those served at once, one uid's
 MEMBER_IN_FLIGHT = 64  # a member's uid: served or waiting
 TARPIT = 1.0  # seconds an over-rate call waits for its Busy
 MAX_TARPIT = 1024  # delayed answers held at once, all uids: past it, answered at once
