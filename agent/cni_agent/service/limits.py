@@ -9,9 +9,10 @@ together; all members and polkit's delegates together) and per uid:
 - a rate (token buckets over every message or request, taken synchronously
   by the bus's gate and the shim's socket before anything is served): a
   stranger's uid RATE a second, all strangers STRANGERS_RATE, all members
-  MEMBERS_RATE (a member's uid has no rate of its own). A call over it is answered `Busy` after a delay (a tarpit:
-  a flooder that waits for each answer slows down to our pace, and answering
-  it costs us a timer, not a method);
+  MEMBERS_RATE (a member's uid has no rate of its own). A call over one is
+  answered `Busy` after a delay (a tarpit: a flooder that waits for each
+  answer slows down to our pace, and answering it costs us a timer, not a
+  method);
 - a share of the calls being served (`Share`, a fair queue per class): at
   most `slots` of the class's calls are served at once, at most
   `per_uid_slots` of them one uid's; the others wait, taken in turn uid by
