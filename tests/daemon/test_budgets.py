@@ -2,8 +2,9 @@
 get no more of the agent than a few, root's calls are answered first, and
 nothing of a stranger's is served before the agent knows its uid.
 
-Real users made by the test (each a stranger: in no access group), each
-running a dbus-fast client of its own against a private bus and a real agent.
+Real users made by the test (strangers: in no access group; or members of a
+group the test makes), each running a dbus-fast client of its own against a
+private bus and a real agent.
 How long root's calls take under such a flood is the bench's to say
 (`hostile.uids.*`); these tests say who is answered, and with what.
 """
