@@ -60,6 +60,9 @@ class Authorizer:
         # the oldest go first (a flood of connections cannot evict everyone).
         self._cache: OrderedDict[str, tuple[int, frozenset[int]]] = OrderedDict()
         self._asking: dict[str, asyncio.Task[tuple[int, frozenset[int]]]] = {}
+        # Senders polkit authorized once: their budgets are the members' from
+        # then on (`known`), as polkit's delegates count as members.
+        self._delegates: OrderedDict[str, None] = OrderedDict()
 
     def set_groups(self, groups: Sequence[str]) -> None:
         """`access.groups`, at start and on a reload."""
@@ -67,9 +70,16 @@ class Authorizer:
         self.gids = resolve_groups(groups)
 
     def known(self, sender: str | None) -> Caller | None:
-        """The caller, if its credentials were read before (no bus call)."""
+        """The caller, if its credentials were read before (no bus call): a
+        DELEGATE if polkit authorized this sender before (for its budgets;
+        each call is still authorized on its own)."""
         creds = self._cache.get(sender) if sender is not None else None
-        return None if creds is None else self.caller(*creds)
+        if creds is None:
+            return None
+        caller = self.caller(*creds)
+        if caller.role is Role.STRANGER and sender in self._delegates:
+            return Caller(caller.uid, Role.DELEGATE)
+        return caller
 
     def caller(self, uid: int, gids: frozenset[int]) -> Caller:
         """Who a process of `uid` with groups `gids` is to us, on any transport."""
@@ -128,6 +138,9 @@ class Authorizer:
         if action is not None and self.polkit is not None and sender is not None:
             authorized, why = await self.polkit.check(sender, action, interactive)
             if authorized:
+                self._delegates[sender] = None
+                while len(self._delegates) > _CACHE_LIMIT:
+                    self._delegates.popitem(last=False)
                 return Caller(caller.uid, Role.DELEGATE)
         reason = Policy.refusal(caller, method, scope, self.group_names)
         raise AgentError(ErrorKind.ACCESS_DENIED, reason + (f"; {why}" if why else ""))
