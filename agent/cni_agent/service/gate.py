@@ -19,11 +19,11 @@ a connection starts the lookup (GetConnectionCredentials, once per sender)
 and it and the ones after it wait, in a queue of that connection's (HELD
 messages; HELD_ALL for all connections together, each one's first message
 aside), until the answer comes; they are then taken in order as if they had
-just arrived. A message past either bound is answered Busy at once (its descriptors closed; nothing
-answered when no reply is expected), so a caller that pipelines a flood on
-a new connection is refused what the queue cannot hold instead of being
-served unlimited. If the lookup fails (the caller left), the waiting calls
-are answered AccessDenied.
+just arrived. A message past either bound is answered Busy at once (its
+descriptors closed; nothing answered when no reply is expected), so a
+caller that pipelines a flood on a new connection is refused what the queue
+cannot hold instead of being served unlimited. If the lookup fails (the
+caller left), the waiting calls are answered AccessDenied.
 """
 
 from __future__ import annotations
