@@ -175,7 +175,8 @@ def test_many_uids_flooding_share_one_budget_and_roots_calls_are_all_answered(
     assert {name for name, _ in errors} == {ERR + "Busy"}, errors[:5]
     # No uid was over its own budget: each Busy is the strangers' together.
     assert all(STRANGERS_TOGETHER in text for _, text in errors), errors[:5]
-    assert len(errors) >= UIDS * 50 - 120 - 60, len(errors)  # the shared burst, and a little
+    # The shared burst (120) and what its rate (40/s) refilled meanwhile: generous.
+    assert len(errors) >= UIDS * 50 - 120 - 120, len(errors)
     assert agent.call("ListSandboxes")[0] == []
     assert "Traceback" not in agent.log()
 
@@ -218,7 +219,8 @@ def test_members_together_have_a_budget_of_their_own_and_roots_calls_are_answere
     assert {name for name, _ in errors} == {ERR + "Busy"}, errors[:5]
     assert all("from all members of the access group and polkit's delegates together" in text
                for _, text in errors), errors[:5]
-    assert len(errors) >= UIDS * 100 - 400 - 200, len(errors)  # the burst, and a second's rate
+    # The members' burst (400) and what their rate (200/s) refilled meanwhile: generous.
+    assert len(errors) >= UIDS * 100 - 400 - 300, len(errors)
     assert "Traceback" not in agent.log()
 
 
