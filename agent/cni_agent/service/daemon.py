@@ -239,6 +239,8 @@ class Daemon:
                                     check_now=self.core.drift.check_now)
         self.core.checks.subscribe(self.iface.on_check)
         self.iface.gate.send = bus.send
+        # A call held until its sender's uid is known goes the way it came in.
+        self.iface.gate.dispatch = bus._process_message
         bus.add_message_handler(self.iface.gate)
         bus.export(OBJECT_PATH, self.iface)
         # systemd first: its STATUS= line never depends on the bus being there.
