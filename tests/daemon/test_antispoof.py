@@ -7,7 +7,9 @@ real traffic between the pods.
 from __future__ import annotations
 
 import ctypes.util
+import itertools
 import json
+import os
 import pwd
 import subprocess
 from collections.abc import Callable
@@ -18,11 +20,12 @@ import pytest
 
 from cni_agent.config import AgentConfig
 from cni_agent.service.wiring import antispoof_table
+from tests.daemon.conftest import bridge_plugins
 from tests.daemon.test_drift import Monitor, StandIn
 from tests.daemon.test_owners import cli, own_netns
 from tests.support.agent import Agent, Bus
 from tests.support.net import allocations, netns_name
-from tests.support.plugins import wait_for
+from tests.support.plugins import Control, conflist, wait_for, write_conf
 from tests.support.spoof import Pod, attack
 from tests.support.stranger import Stranger, spec
 
@@ -31,6 +34,20 @@ pytestmark = pytest.mark.root
 
 def table_of(agent: Agent) -> str:
     return antispoof_table(AgentConfig(state_dir=agent.config["state_dir"]))
+
+
+_subnets = itertools.count()
+
+
+@pytest.fixture
+def bridge_chain(tmp_path: Path, control: Control, bridge_name: str) -> str:
+    """conftest's "pods" on a subnet of its own: these tests send from the host to
+    the pods, and other tests' bridges all hold 10.215.0.0/24 (the host's route
+    would be any one of theirs)."""
+    n = (os.getpid() + next(_subnets)) % 200 + 20
+    write_conf(tmp_path / "net.d", "10-pods.conflist", conflist(
+        "pods", bridge_plugins(tmp_path, control, bridge_name, f"172.30.{n}.0/24"), "1.0.0"))
+    return "pods"
 
 
 @pytest.fixture

@@ -22,6 +22,7 @@ from cni_agent.sandboxes.policy import (
     Policy,
     Role,
     held_ports,
+    host_port,
     normalize_host_ip,
     normalize_protocol,
     port_mappings,
@@ -93,6 +94,14 @@ def test_a_record_holds_each_well_formed_entry() -> None:
                              {"hostPort": 82, "protocol": "17"}]}
     assert held_ports(caps) == {HostPort(81, "tcp"), HostPort(82, "udp")}
     assert held_ports({"portMappings": "junk"}) == frozenset()
+
+
+def test_keys_are_read_whatever_their_case_as_portmap_reads_them() -> None:
+    # containerd's go-cni sends Go's field names; portmap (encoding/json) takes them.
+    assert host_port({"HostPort": 18247, "ContainerPort": 80, "Protocol": "TCP",
+                      "HostIP": "127.0.0.1"}) == HostPort(18247, "tcp", "127.0.0.1")
+    assert port_mappings({"portMappings": [{"hostport": 8080, "PROTOCOL": "17"}]}) == \
+        frozenset({HostPort(8080, "udp")})
 
 
 # --- the conflict key --------------------------------------------------------------------

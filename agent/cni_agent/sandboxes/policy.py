@@ -454,11 +454,14 @@ def host_port(entry: object) -> HostPort:
     """One `portMappings` entry's key; InvalidArgument when malformed."""
     if not isinstance(entry, Mapping):
         raise InvalidArgument("capabilities", "each portMappings entry must be an object")
-    port = entry.get("hostPort")
+    # Keys as portmap (Go's encoding/json) reads them, whatever their case:
+    # containerd's go-cni sends "HostPort", "Protocol", "HostIP"; a later key wins.
+    fields = {str(k).lower(): v for k, v in entry.items()}
+    port = fields.get("hostport")
     if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
         raise InvalidArgument("capabilities", f"portMappings hostPort {port!r} is not a port")
-    return HostPort(port, normalize_protocol(entry.get("protocol")),
-                    normalize_host_ip(entry.get("hostIP")))
+    return HostPort(port, normalize_protocol(fields.get("protocol")),
+                    normalize_host_ip(fields.get("hostip")))
 
 
 def port_mappings(caps: Mapping[str, Any]) -> frozenset[HostPort]:
