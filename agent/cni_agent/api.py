@@ -18,7 +18,8 @@ ERROR_PREFIX = "org.cniagent.Agent1.Error."
 # 2: CheckSandboxes, AttachmentDrifted.
 # 3: ResetPodCIDRs, PodCIDRsSource.
 # 4: AttachmentCheckChanged.
-INTERFACE_REVISION = 4
+# 5: option netns_fd on Teardown, Detach and Check (a member's namespace again).
+INTERFACE_REVISION = 5
 
 
 class ErrorKind(StrEnum):

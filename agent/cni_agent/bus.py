@@ -5,8 +5,36 @@ Shared by the daemon and the CLI (the same `--bus` spellings on both sides).
 
 from __future__ import annotations
 
+import socket
+from typing import Any
+
 from dbus_fast import BusType
 from dbus_fast.aio import MessageBus
+
+
+class _Patient:
+    """The connection's socket as dbus-fast's writer sees it.
+
+    dbus-fast (1.84 and 5.2 alike) writes a message at once when nothing is
+    queued, and a send the kernel cannot take now (EAGAIN: a burst of
+    replies, such as the tarpit's Busy answers coming due together, faster
+    than the bus reads them) ends the connection. Here such a send writes
+    nothing, as a short write would: the writer then waits for the socket to
+    be writable and goes on. (`sendmsg`, used only for messages carrying
+    descriptors, is the socket's own: none of ours does.)
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+    def send(self, data: Any) -> int:
+        try:
+            return self._sock.send(data)
+        except BlockingIOError:
+            return 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
 
 
 class _Bus(MessageBus):
@@ -24,6 +52,13 @@ class _Bus(MessageBus):
         if self._disconnected:
             return
         super()._finalize(err)
+
+    async def connect(self) -> MessageBus:
+        await super().connect()
+        writer = self._writer
+        assert writer is not None and writer.sock is not None  # connected
+        writer.sock = _Patient(writer.sock)  # type: ignore[assignment]  # what it uses of one
+        return self
 
 
 async def connect(bus: str) -> MessageBus:

@@ -16,6 +16,7 @@ import ipaddress
 import json
 import math
 import os
+import re
 import reprlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -70,6 +71,23 @@ class AccessConfig:
     networks: tuple[str, ...] = ()
     capabilities: tuple[str, ...] = ()
     max_sandboxes: int = 16
+    # Attachments one such uid may hold across its sandboxes (Setup and Attach alike).
+    max_attachments: int = 16
+    # The share of a network's addresses (where its IPAM config gives the pool
+    # size) all such callers together may hold: the rest is root's reserve.
+    members_share: float = 0.5
+    # Host ports they may map ("20000-20999", "8080"; default none), when
+    # portMappings is among their capabilities.
+    host_ports: tuple[str, ...] = ()
+    # CNI_ARGS keys they may pass besides IgnoreUnknown (IP and MAC: through
+    # their capabilities); K8S_* and the pod option only if listed.
+    cni_args: tuple[str, ...] = ()
+    # Opened networks the agent cannot filter spoofing on (not a bridge, or no
+    # nftables), which members may use all the same.
+    unprotected_networks: tuple[str, ...] = ()
+
+    def port_ranges(self) -> tuple[tuple[int, int], ...]:
+        return tuple(parse_port_range(r) for r in self.host_ports)
 
 
 @dataclass(frozen=True)
@@ -104,6 +122,20 @@ class HTTPConfig:
     listen: str = ""
 
 
+def parse_port_range(text: str) -> tuple[int, int]:
+    """`FIRST-LAST` or one `PORT`, 1 to 65535: (first, last); ValueError saying why."""
+    first, sep, last = text.partition("-")
+    if not first.isdigit() or (sep and not last.isdigit()) or not first.isascii() \
+            or not last.isascii():
+        raise ValueError("must be a port (8080) or a range of ports (20000-20999)")
+    lo, hi = int(first), int(last) if sep else int(first)
+    if not 0 < lo <= 65535 or not 0 < hi <= 65535:
+        raise ValueError("ports are 1 to 65535")
+    if lo > hi:
+        raise ValueError("the range's first port is above its last")
+    return lo, hi
+
+
 def parse_listen(text: str) -> tuple[str, int] | str:
     """`HOST:PORT`, `[V6]:PORT` or `unix:/PATH`: (host, port), or the socket path."""
     if text.startswith("unix:"):
@@ -133,6 +165,9 @@ class AgentConfig:
     gc: GCConfig = field(default_factory=GCConfig)
     check: CheckConfig = field(default_factory=CheckConfig)
     http: HTTPConfig = field(default_factory=HTTPConfig)
+    # Whose bridge attachments get anti-spoofing filters: "members" (callers
+    # that are not root) or "all" (root's too). There is no off.
+    antispoof: str = "members"
     bus: str = "system"
     log_level: str = "info"
     # The files read, in order, and which of them set each key ("timeouts.del":
@@ -241,6 +276,34 @@ def _listen(source: str, key: str, value: Any) -> str:
     return text
 
 
+def _port_range(source: str, key: str, value: Any) -> str:
+    # A single port is a YAML number as often as a string: both are taken.
+    text = str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+    text = _string(source, key, text)
+    try:
+        parse_port_range(text)
+    except ValueError as e:
+        raise _fail(source, key, f"{_shown(text)}: {e}") from None
+    return text
+
+
+# As CNI_ARGS carries keys to plugins (cni/args.py refuses any other in a call).
+_ARG_KEY = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
+# Keys a capability opens, not this list (sandboxes/policy.py's ARG_CAPABILITIES).
+_CAPABILITY_ARGS = {"IP": "ips", "MAC": "mac"}
+
+
+def _arg_key(source: str, key: str, value: Any) -> str:
+    text = _string(source, key, value)
+    if not _ARG_KEY.fullmatch(text):
+        raise _fail(source, key, f"{_shown(text)} is not a CNI_ARGS key (letters, digits, '_', "
+                                 "'.' and '-')")
+    if (cap := _CAPABILITY_ARGS.get(text.upper())) is not None:
+        raise _fail(source, key, f"{text} does what capability {cap!r} does: open it with "
+                                 "access.capabilities instead")
+    return text
+
+
 def _at_least(least: int) -> Callable[[str, str, Any], int]:
     def check(source: str, key: str, value: Any) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
@@ -250,6 +313,24 @@ def _at_least(least: int) -> Callable[[str, str, Any], int]:
 
 
 _positive_int, _count = _at_least(1), _at_least(0)
+
+
+def _share(source: str, key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+        raise _fail(source, key, f"must be a number from 0 to 1 (a share of a network's "
+                                 f"addresses, 0.5 for half), not {_shown(value)}")
+    return float(value)
+
+
+ANTISPOOF_MODES = ("members", "all")
+
+
+def _antispoof(source: str, key: str, value: Any) -> str:
+    # YAML reads an unquoted `off` or `no` as false: the same answer for it.
+    if not isinstance(value, str) or value not in ANTISPOOF_MODES:
+        raise _fail(source, key, f"must be one of {', '.join(ANTISPOOF_MODES)} (there is no "
+                                 f"off: see access.unprotected_networks), not {_shown(value)}")
+    return value
 
 
 def _log_level(source: str, key: str, value: Any) -> str:
@@ -269,6 +350,7 @@ _TOP_LEVEL: Mapping[str, _Check] = {
     "fallback_network": _bool,
     "pod_cidrs": lambda s, k, v: _str_list(s, k, v, _cidr),
     "shutdown_drain": _duration,
+    "antispoof": _antispoof,
     "bus": _string,
     "log_level": _log_level,
 }
@@ -278,7 +360,11 @@ _SECTIONS: dict[str, tuple[type[Any], Mapping[str, _Check]]] = {
     "timeouts": (TimeoutsConfig, {"del" if f.name == "delete" else f.name: _duration
                                   for f in dataclasses.fields(TimeoutsConfig)}),
     "access": (AccessConfig, {"groups": _str_list, "networks": _str_list,
-                              "capabilities": _str_list, "max_sandboxes": _count}),
+                              "capabilities": _str_list, "max_sandboxes": _count,
+                              "max_attachments": _count, "members_share": _share,
+                              "host_ports": lambda s, k, v: _str_list(s, k, v, _port_range),
+                              "cni_args": lambda s, k, v: _str_list(s, k, v, _arg_key),
+                              "unprotected_networks": _str_list}),
     "gc": (GCConfig, {"networks": _str_list, "interval": _duration}),
     "check": (CheckConfig, {"interval": _duration, "repair": _bool,
                             "repair_new_address": _bool, "concurrency": _positive_int}),

@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from cni_agent.config import AgentConfig
+from cni_agent.service.wiring import antispoof_table
 from tests.conftest import machine_wide, unique_name
 from tests.support.agent import Agent, Bus
 from tests.support.net import delete_link
@@ -96,6 +98,10 @@ def make_agent(tmp_path: Path, system_bus: Bus) -> Iterator[Callable[..., Agent]
     yield make
     for agent in started:
         agent.stop()
+        # Its anti-spoofing table (members' filters) outlives it in the kernel.
+        subprocess.run(["nft", "delete", "table", "bridge",
+                        antispoof_table(AgentConfig(state_dir=agent.config["state_dir"]))],
+                       capture_output=True, check=False)
 
 
 @pytest.fixture

@@ -40,7 +40,8 @@ def test_a_member_never_maps_a_host_port_a_root_sandbox_maps(
     netns: str, tmp_path: Path,
 ) -> None:
     agent = make_agent(bus=permissive_bus, access={"groups": [member], "networks": ["pods"],
-                                                   "capabilities": ["portMappings"]})
+                                                   "capabilities": ["portMappings"],
+                                                   "host_ports": ["18080"]})
     ports = {"portMappings": [{"hostPort": 18080, "containerPort": 80, "protocol": "TCP"}]}
     agent.setup("rootpod", netns, capabilities=ports)
     mine = own_netns(member)
@@ -49,19 +50,19 @@ def test_a_member_never_maps_a_host_port_a_root_sandbox_maps(
         # The same port (root wrote "TCP", the member "tcp"): refused, nothing allocated.
         same = {"portMappings": [{"hostPort": 18080, "containerPort": 22, "protocol": "tcp"}]}
         out = cli(agent, member, "setup", "vm1", path, "--capabilities", json.dumps(same))
-        assert out.returncode == 4 and "host port 18080/tcp is mapped by another sandbox" in \
-            out.stderr, out
+        assert out.returncode == 2 and "host port 18080/tcp is already mapped by another " \
+            "sandbox" in out.stderr, out
         assert len(allocations(tmp_path / "ipam", "pods")) == 1  # root's alone
         # Another port, or the same number over udp, is the member's to map.
         udp = {"portMappings": [{"hostPort": 18080, "containerPort": 22, "protocol": "udp"}]}
         assert cli(agent, member, "setup", "vm1", path, "--capabilities",
                    json.dumps(udp)).returncode == 0
-        assert cli(agent, member, "teardown", "vm1").returncode == 0
+        assert cli(agent, member, "teardown", "vm1", path).returncode == 0
         # Once root's sandbox is gone, its port is free.
         agent.call("Teardown", "ssa{sv}", "rootpod", netns, "0")
         out = cli(agent, member, "setup", "vm1", path, "--capabilities", json.dumps(same))
         assert out.returncode == 0, out
-        assert cli(agent, member, "teardown", "vm1").returncode == 0
+        assert cli(agent, member, "teardown", "vm1", path).returncode == 0
     finally:
         mine.kill()
 
@@ -90,7 +91,7 @@ def test_a_member_reaches_nothing_of_another_members_sandboxes(
         assert agent.call("ListSandboxes")[0] == [full]
         assert json.loads(agent.call("Show", "s", full)[0])["state"] == "ready"
         assert len(allocations(tmp_path / "ipam", "pods")) == 1
-        assert cli(agent, alice, "teardown", "vm1").returncode == 0
+        assert cli(agent, alice, "teardown", "vm1", f"/proc/{hers.pid}/ns/net").returncode == 0
     finally:
         hers.kill()
 
@@ -114,7 +115,7 @@ def test_a_members_sandboxes_and_quota_outlive_a_kill_9_of_the_agent(
         assert out.returncode == 1 and "access.max_sandboxes allows (1)" in out.stderr, out
         shown = json.loads(cli(agent, member, "show", "vm1", "--json").stdout)
         assert shown["sandbox"] == "vm1" and shown["state"] == "ready", shown
-        assert cli(agent, member, "teardown", "vm1").returncode == 0
+        assert cli(agent, member, "teardown", "vm1", path).returncode == 0
         assert agent.call("ListSandboxes")[0] == []
         assert allocations(tmp_path / "ipam", "pods") == []
     finally:

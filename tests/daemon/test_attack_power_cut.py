@@ -40,7 +40,7 @@ def test_a_members_teardown_works_from_the_cache_after_a_power_cut_zeroed_its_re
         assert lose(tmp_path / "state", f"cni-agent.u{uid}.vm1")  # what a power cut zeroes
         agent.start()
         assert agent.call("WaitReady", "d", "10")[0] is True
-        out = cli(agent, member, "teardown", "vm1")
+        out = cli(agent, member, "teardown", "vm1", f"/proc/{mine.pid}/ns/net")
         assert out.returncode == 0, out
         assert allocations(tmp_path / "ipam", "pods") == []
         assert agent.call("ListSandboxes")[0] == []

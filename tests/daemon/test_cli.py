@@ -344,8 +344,8 @@ def test_usage_error_as_a_subprocess() -> None:
     assert "argument --pod: 'nope' is not NAMESPACE/NAME or NAMESPACE/NAME/UID" in out.stderr
 
 
-@pytest.mark.parametrize("command", ["status", "wait", "monitor", "setup", "teardown", "check",
-                                     "show", "list"])
+@pytest.mark.parametrize("command", ["status", "wait", "monitor", "setup", "teardown", "detach",
+                                     "check", "show", "list"])
 def test_help_reads_like_a_synopsis(command: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         main([command, "--help"])
@@ -359,7 +359,8 @@ def test_help_reads_like_a_synopsis(command: str, capsys: pytest.CaptureFixture[
 def test_top_level_help_and_version() -> None:
     text = ok(cli("", "--help"))
     assert text.startswith("usage: cni-agent [-h] [--version] [--bus BUS] COMMAND ...")
-    for command in ("run", "status", "wait", "monitor", "setup", "teardown", "check", "show", "list"):
+    for command in ("run", "status", "wait", "monitor", "setup", "teardown", "detach", "check", "show",
+                    "list"):
         assert f"\n    {command} " in text
     assert "exit status: 0 success" in text and "NO_COLOR" in text
     assert ok(cli("", "--version")) == f"cni-agent {__version__}\n"

@@ -77,7 +77,8 @@ def test_a_member_cannot_reach_a_namespace_it_cannot_open_itself(
         assert ERR + "AccessDenied" in out.stderr, out.stderr
         assert links(target.pid) == ["lo"]  # untouched
         assert allocations(tmp_path / "ipam", "pods") == []
-        # Its own descriptor with another's path: refused, saying nothing of the path.
+        # Its own descriptor with another's path: the path is only a label (never
+        # opened: issue 44, item 6), so the Setup is of the member's own namespace.
         mine = own_netns(member)
         try:
             probe = textwrap.dedent(f"""
@@ -85,19 +86,24 @@ def test_a_member_cannot_reach_a_namespace_it_cannot_open_itself(
                 sys.path.insert(0, {str(readable_source())!r})
                 from cni_agent.cli.client import AgentClient, SetupOptions
                 from cni_agent.cli import client
-                client.open_netns = lambda path: os.open("/proc/{mine.pid}/ns/net", os.O_RDONLY)
+                client.open_netns = lambda path, **kw: os.open("/proc/{mine.pid}/ns/net",
+                                                               os.O_RDONLY)
                 async def main():
                     c = await AgentClient.connect({member_agent.bus.address!r})
                     try:
                         await c.setup("m1", {path!r}, SetupOptions())
+                        print("set up")
+                        await c.teardown("m1", {path!r})
+                        print("torn down")
                     except Exception as e:
                         print(e)
                 asyncio.run(main())
             """)
             out = subprocess.run([*as_member(member), "/usr/bin/python3", "-I", "-c", probe],
                                  capture_output=True, text=True, timeout=60)
-            assert "does not name the namespace of netns_fd" in out.stdout, out
-            assert links(target.pid) == ["lo"] and links(mine.pid) == ["lo"]
+            assert out.stdout.split("\n")[:2] == ["set up", "torn down"], out
+            assert links(target.pid) == ["lo"]
+            assert allocations(tmp_path / "ipam", "pods") == []
         finally:
             mine.kill()
     finally:
@@ -125,7 +131,12 @@ def test_a_member_sets_up_and_tears_down_its_own_namespace(
         assert rec is not None
         assert rec["owner"] == uid and rec["sandbox"] == f"cni-agent.u{uid}.m2"
         assert member_agent.call("ListSandboxes")[0] == [f"cni-agent.u{uid}.m2"]
+        # While a process is in its namespace, its Teardown needs it again
+        # (issue 44, item 6): refused, nothing changed.
         out = cli(member_agent, member, "teardown", "m2")
+        assert out.returncode == 2 and "netns_fd" in out.stderr and "still in use" in out.stderr, out
+        assert "eth0" in links(mine.pid) and len(allocations(tmp_path / "ipam", "pods")) == 1
+        out = cli(member_agent, member, "teardown", "m2", path)
         assert out.returncode == 0, out
         assert links(mine.pid) == ["lo"] and allocations(tmp_path / "ipam", "pods") == []
     finally:
@@ -137,10 +148,13 @@ def test_roots_sandboxes_are_not_a_members_to_see_or_touch(
 ) -> None:
     """A member's ids are its own: naming root's sandbox reaches nothing of root's."""
     member_agent.setup("rootpod", netns)
-    for args in (("show", "rootpod"), ("check", "rootpod", netns)):
-        out = cli(member_agent, member, *args)
-        assert out.returncode == 4 and "access denied" in out.stderr, (args, out)
-        assert "rootpod is not one of uid" in out.stderr
+    out = cli(member_agent, member, "show", "rootpod")
+    assert out.returncode == 4 and "access denied" in out.stderr, out
+    assert "rootpod is not one of uid" in out.stderr
+    # Its Check passes root's namespace as its descriptor (issue 44, item 6):
+    # refused for the namespace first, before any sandbox is looked at.
+    out = cli(member_agent, member, "check", "rootpod", netns)
+    assert out.returncode == 4 and "may only configure a network namespace" in out.stderr, out
     # The same words for an id that does not exist: nothing is given away.
     nothing = cli(member_agent, member, "show", "nosuchpod")
     assert nothing.stderr.replace("nosuchpod", "X") == \

@@ -115,7 +115,7 @@ def test_a_polkit_rule_delegates_setup_to_a_user_outside_the_group(
         assert refused.returncode != 0, refused
         assert "org.cniagent.Agent1.manage needs authentication" in refused.stderr, refused
         assert cli(agent, other, "list").returncode != 0  # inspect is not granted either
-        assert cli(agent, granted, "teardown", "pk1").returncode == 0
+        assert cli(agent, granted, "teardown", "pk1", path).returncode == 0
         assert len(allocations(tmp_path / "ipam", "pods")) == 1  # root's pod only
 
         # Without polkitd on the bus: today's rules alone, the rule means nothing.

@@ -164,7 +164,9 @@ def test_a_plugin_inherits_only_stdin_stdout_stderr(
     control.update(record_fds=True)
     if caller == "member":
         # What members may use is the admin's to open (issue 35: access.networks).
-        agent = make_agent(bus=permissive_bus, access={"groups": [member], "networks": ["testnet"]})
+        # testnet is no bridge: opened to members as unprotected (issue 44).
+        agent = make_agent(bus=permissive_bus, access={"groups": [member], "networks": ["testnet"],
+                                                       "unprotected_networks": ["testnet"]})
         ns = own_netns(member)
         stranger = Stranger(permissive_bus.address, user=member, member=True)
     else:
@@ -181,7 +183,9 @@ def test_a_plugin_inherits_only_stdin_stdout_stderr(
         setup = stranger.send(spec("Setup", "ssa{sv}", ["fdpod", path, options],
                                    fds=[path, *FDS[1:]], timeout=30))
         assert setup["outcome"] == "return", setup
-        teardown = stranger.send(spec("Teardown", "ssa{sv}", ["fdpod", "", []], timeout=30))
+        # The namespace again, as a member must while a process is in it (issue 44, item 6).
+        teardown = stranger.send(spec("Teardown", "ssa{sv}", ["fdpod", "", options[:1]],
+                                      fds=[path], timeout=30))
         assert teardown["outcome"] == "return", teardown
         runs = [(r["command"], r["proc_fds"]) for r in control.records() if r["command"] != "STATUS"]
         assert runs == [("ADD", [0, 1, 2]), ("DEL", [0, 1, 2])], runs

@@ -50,10 +50,14 @@ CONTRACT_DEFAULTS = {
                  "version": 10, "lock": 60, "ready": 30},
     "shutdown_drain": 10,
     # issue 35: what callers that are not root may use, nothing by default
-    "access": {"groups": ["cni-agent"], "networks": [], "capabilities": [], "max_sandboxes": 16},
+    "access": {"groups": ["cni-agent"], "networks": [], "capabilities": [], "max_sandboxes": 16,
+               "max_attachments": 16, "members_share": 0.5,  # issue 44: quotas
+               "host_ports": [], "cni_args": [],  # issue 44: host ports and CNI_ARGS keys
+               "unprotected_networks": []},  # issue 44: anti-spoofing
     "gc": {"networks": []},  # added by this project: the GC verb only where declared
     "check": {"interval": 300, "repair": False, "concurrency": 4},  # issue 26: drift
     "http": {"listen": ""},  # added by this project (issue 16): metrics and probes, off
+    "antispoof": "members",  # issue 44: members' bridge attachments filtered
     "bus": "system",
     "log_level": "info",
 }

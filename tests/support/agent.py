@@ -141,6 +141,8 @@ class Agent:
         self.proc: subprocess.Popen[str] | None = None
         # Interpreter options before `-m cni_agent` (a benchmark's profiler).
         self.python_args: list[str] = []
+        # A command the agent runs under (a mount namespace of its own).
+        self.prefix: list[str] = []
         self.notify: NotifySocket | None = None
         self.log_path = tmp / "agent.log"
 
@@ -159,7 +161,8 @@ class Agent:
         full_env.pop("DBUS_SYSTEM_BUS_ADDRESS", None)
         self._log = open(self.log_path, "a")
         self.proc = subprocess.Popen(
-            [sys.executable, *self.python_args, "-m", "cni_agent", "run", "--config", str(self.config_path)],
+            [*self.prefix, sys.executable, *self.python_args, "-m", "cni_agent", "run", "--config",
+             str(self.config_path)],
             env=full_env, stdout=self._log, stderr=subprocess.STDOUT, text=True,
         )
         if wait:

@@ -29,6 +29,7 @@ def test_defaults_match_the_contract() -> None:
     assert c.shutdown_drain == 10 and c.access.groups == ("cni-agent",)
     # Callers that are not root get nothing until the admin opens it.
     assert (c.access.networks, c.access.capabilities, c.access.max_sandboxes) == ((), (), 16)
+    assert (c.access.max_attachments, c.access.members_share) == (16, 0.5)
     assert c.bus == "system" and c.log_level == "info"
 
 
@@ -45,12 +46,13 @@ monitor: {startup_interval: 0.1, interval: 2, grace_period: 1.5}
 timeouts: {add: 1, del: 2, check: 3, status: 4, gc: 5, version: 6, lock: 7, ready: 8}
 shutdown_drain: 3
 access: {groups: [wheel, cni-agent], networks: [vmnet], capabilities: [portMappings],
-         max_sandboxes: 0}
+         max_sandboxes: 0, max_attachments: 3, members_share: 0.25}
 bus: session
 log_level: debug
 """)
     assert (c.access.networks, c.access.capabilities, c.access.max_sandboxes) == (
         ("vmnet",), ("portMappings",), 0)
+    assert (c.access.max_attachments, c.access.members_share) == (3, 0.25)
     assert c.timeouts.delete == 2 and c.monitor.grace_period == 1.5
     assert c.pod_cidrs == ("10.244.1.0/24", "fd00::/64")
     assert c.access.groups == ("wheel", "cni-agent")
@@ -76,6 +78,12 @@ def test_empty_file_means_defaults(tmp_path: Path) -> None:
         ("monitor: {interval: 0}", "monitor.interval: must be greater than 0"),
         ("access: {max_sandboxes: -1}", "access.max_sandboxes: must be a whole number of at least 0"),
         ("access: {networks: vmnet}", "access.networks: must be a list"),
+        ("access: {max_attachments: 2.5}",
+         "access.max_attachments: must be a whole number of at least 0"),
+        ("access: {members_share: 1.5}", "access.members_share: must be a number from 0 to 1"),
+        ("access: {members_share: half}", "access.members_share: must be a number from 0 to 1"),
+        ("access: {members_share: .nan}", "access.members_share: must be a number from 0 to 1"),
+        ("access: {members_share: true}", "access.members_share: must be a number from 0 to 1"),
         ("- a list", "the top level must be a mapping"),
         ("conf_dir: [unclosed", "not valid YAML"),
     ],

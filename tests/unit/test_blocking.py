@@ -124,11 +124,17 @@ async def test_a_result_that_comes_after_the_timeout_is_discarded() -> None:
 
 async def test_cancellation_frees_a_late_result_too() -> None:
     worker = PathWorker(threads=1, timeout=5)
-    release = threading.Event()
+    started, release = threading.Event(), threading.Event()
     freed: list[int] = []
-    task = asyncio.create_task(worker.run(lambda: release.wait() and 9, "netns", "/x",
-                                          discard=freed.append))
-    await asyncio.sleep(0.02)
+
+    def job() -> int:
+        started.set()
+        release.wait()
+        return 9
+
+    task = asyncio.create_task(worker.run(job, "netns", "/x", discard=freed.append))
+    # Cancelled once the thread runs it (a job still queued is dropped, never run).
+    assert await asyncio.to_thread(started.wait, 10)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

@@ -123,6 +123,11 @@ def test_a_plugin_only_in_an_untrusted_dir_is_refused(tmp_path: Path) -> None:
     ({"agent.yaml": "log_level: debug\n", "agent.yaml.d/50-x.yaml": "timeouts: {dell: 1}\n"},
      "agent.yaml.d/50-x.yaml: timeouts.dell: unknown key"),
     ({"agent.yaml": "[unclosed\n"}, "agent.yaml: not valid YAML"),
+    # The quota keys are checked as the daemon checks them (issue 44).
+    ({"agent.yaml": "access: {members_share: 2}\n"},
+     "agent.yaml: access.members_share: must be a number from 0 to 1"),
+    ({"agent.yaml": "access: {max_attachments: -1}\n"},
+     "agent.yaml: access.max_attachments: must be a whole number of at least 0"),
     ({}, "agent.yaml: no such file"),
 ])
 def test_an_unusable_configuration_exits_2_naming_file_and_key(

@@ -6,6 +6,7 @@ import pytest
 
 from cni_agent.api import AgentError, ErrorKind
 from cni_agent.cni.errors import InvalidArgument
+from cni_agent.cni.pool import Pool
 from cni_agent.sandboxes.policy import (
     METHODS,
     ROOT,
@@ -134,20 +135,36 @@ def test_a_new_id_is_anyones_but_cache_entries_without_a_record_are_roots() -> N
     ({"bandwidth": {"ingressRate": 1}}, (), "not allowed"),
     ({"ips": ["10.0.0.9/24"]}, ("portMappings",), "not allowed"),
     ({"portMappings": [{"hostPort": 8080, "containerPort": 80}]}, ("portMappings",), None),
-    ({"portMappings": [{"hostPort": 23, "containerPort": 22}]}, ("portMappings",), "below 1024"),
+    ({"portMappings": [{"hostPort": 9090, "containerPort": 80}]}, ("portMappings",),
+     r"access\.host_ports: 8000-8999"),
+    ({"portMappings": [{"hostPort": 23, "containerPort": 22}]}, ("portMappings",),
+     "23/tcp is not in a range"),
     ({"portMappings": [{"hostPort": 1023, "protocol": "udp"}]}, ("portMappings",), "1023/udp"),
-    ({"portMappings": [{"hostPort": "80"}]}, ("portMappings",), "is not a port"),
-    ({"portMappings": {"hostPort": 80}}, ("portMappings",), "must be a list"),
 ])
 def test_capabilities(caps: dict[str, object], allowed_caps: tuple[str, ...],
                       error: str | None) -> None:
-    policy = Policy.of(capabilities=allowed_caps)
-    policy.capabilities(ROOT, caps)  # root: anything
+    policy = Policy.of(capabilities=allowed_caps, host_ports=[(8000, 8999)])
+    policy.capabilities(ROOT, caps)  # root: anything well-formed
     if error is None:
         policy.capabilities(MEMBER, caps)
     else:
-        with pytest.raises((AgentError, InvalidArgument), match=error):
+        with pytest.raises(AgentError, match=error) as e:
             policy.capabilities(MEMBER, caps)
+        assert e.value.kind is ErrorKind.ACCESS_DENIED
+
+
+@pytest.mark.parametrize(("caps", "error"), [
+    ({"portMappings": [{"hostPort": "80"}]}, "is not a port"),
+    ({"portMappings": {"hostPort": 80}}, "must be a list"),
+    ({"portMappings": [{"hostPort": 80, "protocol": "icmp"}]}, "is not one of tcp, udp"),
+])
+def test_malformed_port_mappings_are_refused_to_everyone(caps: dict[str, object],
+                                                         error: str) -> None:
+    # Root's are compared with every other sandbox's too (issue 44): read first.
+    policy = Policy.of(capabilities=["portMappings"], host_ports=[(1, 65535)])
+    for caller in (ROOT, MEMBER):
+        with pytest.raises(InvalidArgument, match=error):
+            policy.capabilities(caller, caps)
 
 
 def test_networks_and_quota() -> None:
@@ -163,3 +180,45 @@ def test_networks_and_quota() -> None:
     with pytest.raises(AgentError) as e:
         policy.quota(MEMBER, 2)
     assert e.value.kind is ErrorKind.BUSY
+
+
+def test_each_network_once_per_sandbox_for_callers_that_are_not_root() -> None:
+    Policy.once_per_sandbox(ROOT, "p", ["pods", "pods", "pods"])  # root: today's behaviour
+    Policy.once_per_sandbox(MEMBER, "vm1", ["pods", "vmnet"])
+    for caller in (MEMBER, DELEGATE):
+        with pytest.raises(InvalidArgument, match="network pods twice in sandbox vm1") as e:
+            Policy.once_per_sandbox(caller, Policy.qualify(caller, "vm1"),
+                                    ["pods", "vmnet", "pods"])
+        assert e.value.field == "networks"
+
+
+@pytest.mark.parametrize(("held", "adding", "allowed"), [
+    (0, 3, True), (13, 3, True), (16, 0, True), (14, 3, False), (16, 1, False), (0, 17, False),
+])
+def test_max_attachments(held: int, adding: int, allowed: bool) -> None:
+    policy = Policy.of(max_attachments=16)
+    policy.attachments(ROOT, 1000, 5)
+    if allowed:
+        policy.attachments(DELEGATE, held, adding)
+        return
+    with pytest.raises(AgentError, match=r"the most access\.max_attachments allows \(16\)") as e:
+        policy.attachments(MEMBER, held, adding)
+    assert e.value.kind is ErrorKind.BUSY
+
+
+@pytest.mark.parametrize(("share", "held", "adding", "allowed"), [
+    (0.5, 5, 1, True), (0.5, 6, 1, False), (0.5, 4, 3, False), (0.0, 0, 1, False),
+    (1.0, 11, 1, True), (0.25, 3, 0, True), (0.25, 3, 1, False),
+])
+def test_members_share_of_a_known_pool(share: float, held: int, adding: int,
+                                       allowed: bool) -> None:
+    policy = Policy.of(members_share=share)
+    pool = Pool((12,))
+    policy.addresses(ROOT, "pods", pool, 12, 1)  # root: its Setup is never refused for members
+    policy.addresses(MEMBER, "pods", None, 10**6, 1)  # unknown pool: the per-uid caps alone
+    if allowed:
+        policy.addresses(MEMBER, "pods", pool, held, adding)
+        return
+    with pytest.raises(AgentError, match=rf"access\.members_share \({share:g}\)") as e:
+        policy.addresses(DELEGATE, "pods", pool, held, adding)
+    assert e.value.kind is ErrorKind.BUSY and "the rest is kept for root" in e.value.message

@@ -244,18 +244,21 @@ class SetupOptions:
         return out
 
 
-def open_netns(path: str) -> int | None:
+def open_netns(path: str, missing_ok: bool = False) -> int | None:
     """The namespace at `path`, opened with the caller's own rights: the agent
     acts on a descriptor, never on a path it would open as root for a caller
     that may not (a path alone is accepted from root only).
 
     None for root when it cannot be opened: the agent then says why, in its
-    words; anyone else gets the reason here.
+    words; anyone else gets the reason here (or, `missing_ok`, None when
+    nothing is there: a Teardown of a namespace that is gone).
     """
     try:
         return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
     except OSError as e:
         if os.geteuid() == 0:
+            return None
+        if missing_ok and e.errno in (errno.ENOENT, errno.ENOTDIR):
             return None
         if e.errno in (errno.EACCES, errno.EPERM):  # the caller's rights, not its typing
             raise ClientError("access denied", f"netns {path!r}: cannot open: {e.strerror}",
@@ -378,10 +381,34 @@ class AgentClient:
         return SandboxResult.parse(text)
 
     async def teardown(self, sandbox_id: str, netns: str = "") -> None:
-        await self._call("Teardown", "ssa{sv}", [sandbox_id, netns, {}], timeout=None)
+        await self._with_netns("Teardown", sandbox_id, netns)
 
     async def check(self, sandbox_id: str, netns: str) -> None:
-        await self._call("Check", "ssa{sv}", [sandbox_id, netns, {}], timeout=None)
+        await self._with_netns("Check", sandbox_id, netns)
+
+    async def detach(self, sandbox_id: str, netns: str, network: str, ifname: str) -> None:
+        await self._with_netns("Detach", sandbox_id, netns, network, ifname)
+
+    async def _with_netns(self, method: str, sandbox_id: str, netns: str, *more: str) -> None:
+        """A call on an existing sandbox naming its namespace: by a caller that
+        is not root, as a descriptor it opens itself (the agent opens no path
+        of its, and keeps no descriptor: each call passes it again); root's
+        path is the agent's to open."""
+        fd = None
+        if netns and os.geteuid() != 0:
+            # A removal's namespace may be gone already: the agent then finds no
+            # process in it and removes the sandbox without it.
+            fd = open_netns(netns, missing_ok=method != "Check")
+        opts: dict[str, Variant] = {}
+        if fd is not None:
+            opts["netns_fd"] = Variant("h", 0)  # an index into the message's fds
+        try:
+            await self._call(method, "ss" + "s" * len(more) + "a{sv}",
+                             [sandbox_id, netns, *more, opts], timeout=None,
+                             fds=[fd] if fd is not None else [])
+        finally:
+            if fd is not None:
+                os.close(fd)
 
     async def check_sandboxes(self, sandbox_ids: list[str]) -> list[dict[str, Any]]:
         """CHECK now; every attachment's check state (CheckSandboxes)."""

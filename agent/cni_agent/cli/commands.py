@@ -169,6 +169,12 @@ async def _teardown(client: AgentClient, args: argparse.Namespace, colour: bool)
     return EXIT_OK
 
 
+async def _detach(client: AgentClient, args: argparse.Namespace, colour: bool) -> int:
+    network, ifname = args.network or ("", "")
+    await client.detach(args.id, args.netns, network, ifname)
+    return EXIT_OK
+
+
 # The check states after which an attachment may not work as set up: `check` exits 1.
 NEEDS_AN_EYE = ("drifted", "lost", "failed-to-run")
 
@@ -408,11 +414,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="runtime capabilities as a JSON object, e.g. portMappings (default: none)")
     p = _command(sub, "teardown", "detach a sandbox from all its networks", """
         Run CNI DEL for every attachment of sandbox ID and forget it. NETNS may be left out
-        or already gone; tearing down an unknown sandbox succeeds.""",
+        or already gone; tearing down an unknown sandbox succeeds. Run by a user that is not
+        root, NETNS is opened with that user's rights and passed as a descriptor (the agent
+        keeps none): while a process is still in the sandbox's namespace, its teardown needs
+        NETNS.""",
         "  $ cni-agent teardown pod-1 /run/netns/pod-1", _teardown)
     p.add_argument("id", metavar="ID", help="the sandbox ID")
     p.add_argument("netns", metavar="NETNS", nargs="?", default="",
                    help='path of the network namespace (default: "", none)')
+    p = _command(sub, "detach", "detach a sandbox from one of its networks", """
+        Run CNI DEL for one attachment of sandbox ID (the default network's eth0, or the
+        one --network names) and forget it; the sandbox's others stay. Nothing attached
+        there succeeds. As for teardown, a user that is not root passes NETNS, opened with
+        its own rights, while a process is still in the namespace.""",
+        "  $ cni-agent detach pod-1 /run/netns/pod-1 --network storage:net1", _detach)
+    p.add_argument("id", metavar="ID", help="the sandbox ID")
+    p.add_argument("netns", metavar="NETNS", nargs="?", default="",
+                   help='path of the network namespace (default: "", none)')
+    p.add_argument("--network", metavar="NAME[:IFNAME]", type=_network,
+                   help="the attachment (default: whichever is on eth0)")
     p = _command(sub, "check", "verify attachments (CNI CHECK) and report drift", """
         Run CNI CHECK now, as the agent's scheduled passes do, for every attachment of
         sandbox ID (of every sandbox without ID), and print each one's state: ok, drifted
@@ -423,7 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
         ADDed again with backoff), repaired-with-new-address. With check.repair a drifted
         attachment is re-created. Exits 1 if any attachment is drifted, lost or
         failed-to-run. With NETNS: CHECK sandbox ID in that namespace and exit 0 only if
-        every CHECK passes.""",
+        every CHECK passes (run by a user that is not root, NETNS is opened with its rights
+        and passed as a descriptor).""",
         "  $ cni-agent check\n  $ cni-agent check pod-1 /run/netns/pod-1 && echo ok", _check,
         '{"attachments": [{sandbox, network, ifname, state, last_check, reason, repairs, '
         'repair, drifted_now}]}')

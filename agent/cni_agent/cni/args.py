@@ -85,6 +85,15 @@ class PodMeta:
     uid: str = ""
 
 
+def pod_args(pod: PodMeta, container_id: str) -> list[tuple[str, str]]:
+    """The pairs the `pod` option adds, as kubelet's runtimes pass them."""
+    k8s = [("IgnoreUnknown", "1"), ("K8S_POD_NAMESPACE", pod.namespace),
+           ("K8S_POD_NAME", pod.name), ("K8S_POD_INFRA_CONTAINER_ID", container_id)]
+    if pod.uid:
+        k8s.append(("K8S_POD_UID", pod.uid))
+    return k8s
+
+
 def build_cni_args(
     args: Iterable[tuple[str, str]], pod: PodMeta | None, container_id: str
 ) -> list[tuple[str, str]]:
@@ -95,10 +104,7 @@ def build_cni_args(
     for k, v in pairs:
         _check_arg(k, v)
     if pod is not None:
-        k8s = [("IgnoreUnknown", "1"), ("K8S_POD_NAMESPACE", pod.namespace),
-               ("K8S_POD_NAME", pod.name), ("K8S_POD_INFRA_CONTAINER_ID", container_id)]
-        if pod.uid:
-            k8s.append(("K8S_POD_UID", pod.uid))
+        k8s = pod_args(pod, container_id)
         for k, v in k8s:
             try:
                 _check_arg(k, v)

@@ -22,7 +22,15 @@ from typing import Any, TypeVar
 
 from cni_agent.api import AgentError, ErrorKind
 from cni_agent.cni.errors import InvalidArgument
-from cni_agent.node.netns import NetnsUnknown, Pinned, in_kernel, pin, pin_fd
+from cni_agent.node.netns import (
+    NetnsId,
+    NetnsUnknown,
+    Pinned,
+    held_by_a_process,
+    in_kernel,
+    pin,
+    pin_fd,
+)
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -179,10 +187,10 @@ class PathWorker:
             ns.close()
 
     def names(self, path: str, ns: Pinned) -> Callable[[], None]:
-        """A check, for a path thread (`run`), that `path` names the pinned
-        namespace: InvalidArgument(netns) when it does not, or cannot be
-        opened, in the same words either way (a caller must not learn through
-        the agent what it cannot open itself)."""
+        """A check, for a path thread (`run`), that root's `path` names the
+        namespace of its descriptor (a path root gives is root's to open; a
+        member's is a label, never opened): InvalidArgument(netns) when it
+        does not, or cannot be opened, in the same words either way."""
         def check() -> None:
             try:
                 named = _pin_or_none(path, "netns")
@@ -226,6 +234,30 @@ class PathWorker:
             self._stopped, n = True, self._started
         for _ in range(n):
             self._jobs.put(None)
+
+
+@asynccontextmanager
+async def process_held(identity: NetnsId) -> AsyncIterator[Pinned | None]:
+    """The namespace `identity` names, reached through a process inside it
+    (`netns.held_by_a_process`), closed when the block ends; None when no
+    process is in it. A worker thread of the loop's, not a path thread:
+    /proc and nsfs answer from the kernel, so no caller can make this wait,
+    nor take a path thread from root's own paths by it."""
+    job = asyncio.get_running_loop().run_in_executor(None, held_by_a_process, identity)
+    try:
+        ns = await asyncio.shield(job)
+    except asyncio.CancelledError:
+        job.add_done_callback(_close_found)  # the walk ends on its own: close what it found
+        raise
+    try:
+        yield ns
+    finally:
+        _close(ns)
+
+
+def _close_found(job: asyncio.Future[Pinned | None]) -> None:
+    if not job.cancelled() and job.exception() is None:
+        _close(job.result())
 
 
 def _copy_result(cfut: Future[_T], afut: asyncio.Future[_T]) -> None:

@@ -44,6 +44,7 @@ __all__ = [
     "Pinned",
     "bring_up_loopback",
     "check_netns",
+    "held_by_a_process",
     "interfaces",
     "is_netns",
     "loopback_down",
@@ -445,16 +446,12 @@ class Pinned:
     what plugins open. Close it when the request ends.
     """
 
-    __slots__ = ("_fd", "identity", "path", "unverified")
+    __slots__ = ("_fd", "identity", "path")
 
     def __init__(self, path: str, fd: int, identity: NetnsId) -> None:
         self.path = path
         self.identity = identity
         self._fd = fd
-        # A check of `path` still to run before anything is recorded under it
-        # (a caller's descriptor, named by a path only a thread may open):
-        # blocking, it raises InvalidArgument when the path names another.
-        self.unverified: Callable[[], None] | None = None
 
     @property
     def fd(self) -> int:
@@ -566,6 +563,45 @@ def pin_fd(fd: int, path: str, field: str = "netns_fd",
     except BaseException:
         os.close(own_fd)
         raise
+
+
+def held_by_a_process(identity: NetnsId) -> Pinned | None:
+    """The namespace `identity` names, pinned through /proc/PID/ns/net of a
+    process inside it; None when no process is in it. Blocking (a walk of
+    /proc), for a worker thread.
+
+    How root reaches a namespace it was only ever given as a caller's
+    descriptor (a member's): never by the caller's path, which could be on a
+    mount that never answers, only by what the kernel says of its processes
+    (procfs, then nsfs: nothing outside the kernel is asked, `in_kernel`).
+    A pid reused between the walk and the open is caught: the pinned
+    namespace must have the identity (an id never reused in a boot where
+    the kernel has one). A namespace kept only by a bind mount or an open
+    descriptor has no process in it, so it is not found: docs/security.md.
+    """
+    try:
+        pids = [name for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:
+        return None
+    for pid in pids:
+        path = f"/proc/{pid}/ns/net"
+        try:
+            st = os.stat(path)
+        except OSError:  # exited, or a kernel thread's
+            continue
+        if (st.st_dev, st.st_ino) != (identity.dev, identity.ino):
+            continue
+        opath = in_kernel(path)
+        if opath < 0:  # gone meanwhile (never -1 for /proc: no thread is needed)
+            continue
+        try:
+            ns = pin(path, "netns", opath)
+        except InvalidArgument:  # exited meanwhile
+            continue
+        if identity.same(ns.identity):
+            return ns
+        ns.close()
+    return None
 
 
 def check_netns(path: str, field: str = "netns") -> NetnsId:

@@ -14,7 +14,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cni_agent.cni.config import load_dir
+from cni_agent.cni.config import NetworkConfigList, load_dir
 from cni_agent.cni.errors import ConfigError
 from cni_agent.cni.exec import ProcessExecutor
 from cni_agent.cni.runtime import CNIRuntime, Timeouts
@@ -47,7 +47,21 @@ async def _validate(runtime: CNIRuntime, cfg: AgentConfig) -> tuple[list[str], l
             problems.append(f"{e.source}: {e.reason}")
         else:
             valid.append(net.name)
+            problems += _unfilterable(cfg, net)
     return problems, valid
+
+
+def _unfilterable(cfg: AgentConfig, net: NetworkConfigList) -> list[str]:
+    """A network opened to members that the daemon would refuse them: it
+    filters spoofing only on a bridge plugin's ports (sandboxes/spoofguard.py)."""
+    first = net.plugins[0].type if net.plugins else ""
+    a = cfg.access
+    if net.name not in a.networks or net.name in a.unprotected_networks or first == "bridge":
+        return []
+    return [f"{net.source}: access.networks ({cfg.origin('access.networks')}) opens {net.name} "
+            f"to members, but its first plugin is {first!r}, not bridge: the agent cannot "
+            "filter address spoofing on it, so members are refused it unless "
+            "access.unprotected_networks lists it"]
 
 
 def check(cfg: AgentConfig) -> Report:

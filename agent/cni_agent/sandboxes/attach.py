@@ -32,20 +32,18 @@ from cni_agent.cni.errors import CNIError, InvalidArgument, NoCachedResult
 from cni_agent.cni.logctx import log_fields
 from cni_agent.node.netns import Pinned
 from cni_agent.sandboxes.errors import classified
-from cni_agent.sandboxes.journal import is_recorded
 from cni_agent.sandboxes.manager import (
     DEFAULT_IFNAME,
     NetworkRequest,
     SandboxManager,
+    in_recorded,
     lost_error,
-    no_netns,
     shown,
     unless_hung,
     unrecorded_error,
-    validate_removal_netns,
 )
 from cni_agent.sandboxes.order import Kind
-from cni_agent.sandboxes.owners import callers_netns
+from cni_agent.sandboxes.owners import callers_netns, refuse_alive, same_namespace
 from cni_agent.sandboxes.policy import ROOT, Caller, Policy
 from cni_agent.sandboxes.records import Attachment, Phase, SandboxRecord
 
@@ -122,11 +120,13 @@ class Attachments:
         if not isinstance(req.capabilities, Mapping):
             raise InvalidArgument("capabilities", "must be a JSON object")
         m.policy.capabilities(req.caller, req.capabilities, req.args)
+        m.policy.arguments(req.caller, req.args)
         async with callers_netns(m.journal.paths, req.netns, req.netns_fd, req.caller) as ns:
             with m.order.arrive(req.sandbox_id, Kind.ADD, frozenset({req.ifname})) as ticket:
                 await m.wait_ready(ticket)
                 net = m.resolve(NetworkRequest(req.network, req.ifname))
                 m.policy.network(req.caller, net.name)
+                m.policy.spoofing(req.caller, net.name, await m.journal.guard.why_unprotected(net))
                 att = Attachment(net.name, req.ifname, net.bytes, args,
                                  m.capabilities_for(req.capabilities), origin=req.origin)
                 with log_fields(NETWORK=net.name):
@@ -140,7 +140,7 @@ class Attachments:
         Policy.sandbox(req.caller, req.sandbox_id, rec.owner if rec else None,
                        foreign=bool(entries))
         if rec is not None:
-            settled = await m.settle(rec, entries, req.netns, ns.identity)
+            settled = await m.settle(rec, entries, req.netns, ns.identity, ns)
             if settled is not rec:
                 rec, entries = await m.journal.view(req.sandbox_id)
         existing = rec.attachment(att.ifname) if rec is not None else None
@@ -150,6 +150,10 @@ class Attachments:
             raise AgentError(ErrorKind.INVALID_ARGUMENT,
                              f"sandbox {req.sandbox_id} has a cached {att.network}/{att.ifname} "
                              "from another tool or an older run; DEL it first")
+        if rec is not None:  # a second interface on a network it has: not for members
+            Policy.once_per_sandbox(req.caller, req.sandbox_id,
+                                    [*(a.network for a in rec.attachments), att.network],
+                                    field="network")
         new = rec is None
         if rec is None:
             rec = SandboxRecord(req.sandbox_id, req.netns, ns.identity, (), owner=req.caller.uid)
@@ -158,7 +162,7 @@ class Attachments:
                         att.ifname, req.sandbox_id, e)
 
         async with m.admission.admitted(req.caller, m.policy, req.sandbox_id, req.capabilities,
-                                        new_sandbox=new):
+                                        new_sandbox=new, attaching=[(att.ifname, net)]):
             # A new sandbox: lo first, before an intent exists (nothing to undo).
             [result] = await m.add_new(rec, [att], [net], ns, loopback=new, failed=failed)
         log.info("sandbox %s: %s/%s attached", req.sandbox_id, att.network, att.ifname)
@@ -181,26 +185,27 @@ class Attachments:
     # --- DEL ------------------------------------------------------------------------
 
     async def detach(self, sandbox_id: str, netns: str, network: str, ifname: str,
-                     origin: str = "", caller: Caller = ROOT) -> None:
+                     origin: str = "", caller: Caller = ROOT, netns_fd: int | None = None
+                     ) -> None:
         """DEL one attachment. Nothing attached there, or its netns gone: success."""
         with classified():
             sid = self.m.own_id(caller, sandbox_id)
         with log_fields(SANDBOX_ID=sid, IFNAME=ifname):
             with classified():
-                await self._detach(sid, netns, network, ifname, origin, caller)
+                await self._detach(sid, netns, network, ifname, origin, caller, netns_fd)
 
     async def _detach(self, sandbox_id: str, netns: str, network: str, ifname: str,
-                      origin: str, caller: Caller) -> None:
+                      origin: str, caller: Caller, netns_fd: int | None = None) -> None:
         m = self.m
         _validate(sandbox_id, network, ifname, origin)
-        validate_removal_netns(netns)
         with m.order.arrive(sandbox_id, Kind.REMOVE, frozenset({ifname})) as ticket:
-            given_cm = (m.journal.paths.pinned_if_netns(netns) if netns and caller.root
-                        else no_netns())
+            given_cm = m.given_netns(netns, netns_fd, caller)  # as Teardown's
             async with unless_hung(given_cm) as given, m.locked(ticket):
                 rec, entries = await m.journal.view(sandbox_id)
                 if rec is not None or entries:
                     Policy.holds(caller, sandbox_id, rec.owner if rec else None, bool(entries))
+                if rec is not None and netns_fd is not None and given is not None:
+                    same_namespace(caller, rec, given)
                 recorded = rec.attachment(ifname) if rec is not None else None
                 if rec is not None and recorded is not None:
                     if not _mine(recorded, network, origin):
@@ -213,6 +218,7 @@ class Attachments:
                         return
                     async with unless_hung(m.journal.live_netns(rec, entries,
                                                                 given=given)) as ns:
+                        refuse_alive(caller, rec, given, ns)
                         await self._remove(rec, ifname, ns, entries)
                     return
                 # No record of it: a cache entry of another tool is removed like
@@ -260,7 +266,7 @@ class Attachments:
             raise AgentError(ErrorKind.NOT_FOUND,
                              f"sandbox {sandbox_id} has no {ifname}"
                              + (f" on network {network}" if network else ""))
-        if rec.netns != ns.path or not await is_recorded(rec, entries, ns):
+        if not await in_recorded(rec, entries, ns):
             raise AgentError(ErrorKind.INVALID_ARGUMENT,
                              f"sandbox {sandbox_id} is set up in netns {rec.netns}, not {ns.path}")
         entry = entries.get((att.network, att.ifname))

@@ -366,6 +366,10 @@ class Checks:
             outcome = replace(outcome, repair=kind)
         return self._announce(replace(outcome, changed=True, error=None)), rec
 
+    def announce(self, outcome: Outcome) -> Outcome:
+        """An outcome found outside a CHECK (a missing anti-spoofing filter), to the listeners."""
+        return self._announce(outcome)
+
     def _announce(self, outcome: Outcome) -> Outcome:
         for listener in self._listeners:
             listener(outcome)

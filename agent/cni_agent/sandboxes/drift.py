@@ -14,6 +14,13 @@ nodes that started together do not CHECK in step.
 Attachments a failed repair left lost are ADDed again here, each when its
 backoff is over (`Checks.retry_lost`), whether CHECK passes run or not, from
 their records: across restarts too.
+
+Each full pass also checks that members' anti-spoofing filters are all in
+place (`Guard.reconcile`: one listing of the agent's nftables table): a
+missing or altered one is drift (AttachmentDrifted, the drift metric, a
+warning) and is installed again at once, as after an `nft flush ruleset`.
+That check also runs once recovery is over, and — with CHECK passes off —
+every GUARD_INTERVAL and on firewalld's triggers: filters have no off.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from cni_agent.sandboxes.journal import Entries
 from cni_agent.sandboxes.manager import SandboxManager, check_document
 from cni_agent.sandboxes.order import Kind
 from cni_agent.sandboxes.policy import ROOT, Caller, Policy, not_yours
-from cni_agent.sandboxes.records import Phase, SandboxRecord
+from cni_agent.sandboxes.records import CheckVerdict, Phase, SandboxRecord
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +54,7 @@ JITTER = 0.1  # each interval is drawn from ±10% of check.interval
 # ADD came for BASELINE_QUIET seconds, and at most BASELINE_MAX after the ADD.
 BASELINE_QUIET = 1.0
 BASELINE_MAX = 10.0
+GUARD_INTERVAL = 60.0  # the filters' presence check, when no CHECK pass runs
 
 
 @dataclass
@@ -73,6 +81,9 @@ class DriftPasses:
         self._lost_task: asyncio.Task[None] | None = None
         self._lost_wake = asyncio.Event()
         manager.checks.on_lost = self._lost_wake.set
+        self._guard_task: asyncio.Task[None] | None = None
+        self._guard_wake = asyncio.Event()
+        self._guard_why = ""
 
     @property
     def on(self) -> bool:
@@ -83,12 +94,17 @@ class DriftPasses:
             self._task = asyncio.create_task(self._every(), name="cni-agent-check-passes")
         if self._lost_task is None:  # what an earlier run lost, and what is lost from now
             self._lost_task = asyncio.create_task(self._retry_lost(), name="cni-agent-lost-retries")
+        if self._guard_task is None:
+            self._guard_task = asyncio.create_task(self._guards(), name="cni-agent-filter-checks")
 
     def trigger(self, why: str) -> None:
         """Run a pass now (firewalld reloaded or restarted); one already waiting absorbs it."""
         if self.on:
             self._why = why
             self._wake.set()
+        else:  # the filters' check alone
+            self._guard_why = why
+            self._guard_wake.set()
 
     def baseline(self, sandbox_id: str) -> None:
         """The CHECK right after ADD (in the next quiet moment): the baseline
@@ -103,7 +119,8 @@ class DriftPasses:
                                                   name="cni-agent-baseline-checks")
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._task, self._baselines, self._lost_task) if t is not None]
+        tasks = [t for t in (self._task, self._baselines, self._lost_task, self._guard_task)
+                 if t is not None]
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -192,6 +209,9 @@ class DriftPasses:
                 await self._sandbox(sid, report, wait=wait, background=background)
 
         log.debug("CHECK pass (%s) over %d sandbox(es)", why, len(sids))
+        # The filters of the pass's sandboxes (of all, on a full pass): one listing.
+        await self.filters_pass([r for r in records if wanted is None or r.sandbox_id in wanted],
+                                report)
         await asyncio.gather(*(one(s) for s in sids))
         drifted = [o for o in report.outcomes if o.drifted]
         if drifted or report.busy:
@@ -228,6 +248,49 @@ class DriftPasses:
                             **check_document(att, m.checks.last_check(sid, att)),
                             "drifted_now": (sid, att.ifname) in drifted})
         return out
+
+    # --- anti-spoofing filters ------------------------------------------------------------
+
+    async def filters_pass(self, records: list[SandboxRecord] | None = None,
+                           report: PassReport | None = None) -> PassReport:
+        """Every filter that should be there is (each restored one: drift)."""
+        m = self.manager
+        report = report if report is not None else PassReport()
+        if records is None:
+            records = m.journal.store.all()[0]
+
+        def current(sid: str) -> SandboxRecord | None:
+            try:
+                return m.journal.store.read(sid)
+            except CNIError:
+                return None
+
+        found = await m.journal.guard.reconcile(
+            records, lambda att: m.journal.config_for(att, None), current)
+        for sid, att, why in found.restored:
+            report.outcomes.append(m.checks.announce(Outcome(
+                sid, att.network, att.ifname, CheckVerdict.DRIFTED,
+                f"its anti-spoofing filter was {why} (restored)", drifted=True)))
+        report.errors.extend(found.errors)
+        return report
+
+    async def _guards(self) -> None:
+        """The filters' check once recovery is over; then, with CHECK passes
+        off, every GUARD_INTERVAL and when firewalld asks."""
+        await self.manager.reaper.recovered.wait()
+        why = "start-up"
+        while True:
+            try:
+                report = await self.filters_pass()
+                for err in report.errors:
+                    log.warning("anti-spoofing filters (%s): %s", why, err)
+            except Exception:  # one that broke must not end all later ones
+                log.exception("the anti-spoofing filters' check failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._guard_wake.wait(),
+                                       None if self.on else GUARD_INTERVAL)
+            self._guard_wake.clear()
+            why, self._guard_why = (self._guard_why or "scheduled"), ""
 
     # --- lost attachments --------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from cni_agent.cni.errors import (
     ResultError,
 )
 from cni_agent.node.locks import LockTimeout
+from cni_agent.sandboxes.spoofguard import AntispoofFailed
 
 
 def classify(exc: BaseException) -> AgentError:
@@ -37,6 +38,9 @@ def classify(exc: BaseException) -> AgentError:
         return AgentError(ErrorKind.BUSY, str(exc))
     if isinstance(exc, PluginError | ExecError | ResultError):
         return AgentError(ErrorKind.PLUGIN_FAILED, str(exc))
+    if isinstance(exc, AntispoofFailed):
+        # The ADD ran, but the pod could not be filtered: as good as a failed ADD.
+        return AgentError(ErrorKind.PLUGIN_FAILED, f"{exc}; the ADD is undone")
     if isinstance(exc, ConfigError):
         return AgentError(ErrorKind.NOT_READY, str(exc))
     if isinstance(exc, CacheError | OSError):

@@ -35,7 +35,7 @@ from cni_agent.node.locks import LockTimeout, NetworkLocks, SandboxLocks
 from cni_agent.node.netns import Pinned
 from cni_agent.sandboxes.journal import Journal, Removal, Unconfirmed
 from cni_agent.sandboxes.order import Kind, Sequencer
-from cni_agent.sandboxes.policy import ROOT, Caller, Policy
+from cni_agent.sandboxes.policy import OWNED_PREFIX, ROOT, Caller, Policy
 from cni_agent.sandboxes.records import Phase, SandboxRecord
 
 log = logging.getLogger(__name__)
@@ -270,7 +270,14 @@ class Reaper:
 
     async def _present(self, entry: CachedAttachment) -> bool:
         """Whether a cache entry's netns path (written by another tool: no identity
-        recorded) still is a network namespace."""
+        recorded) still is a network namespace.
+
+        One in a member's id space (its record set aside as damaged) is taken
+        as present: its path is the member's label, which root never opens
+        (a hung mount would hold root's GC); its owner's Teardown with the
+        descriptor, or root's GC not listing it, removes it."""
+        if entry.container_id.startswith(OWNED_PREFIX):
+            return True
         if not entry.netns:
             return False
         async with self.journal.paths.pinned_if_netns(entry.netns) as ns:

@@ -33,7 +33,7 @@ from cni_agent.cni.errors import CacheError, CNIError, ConfigError, EntryKept, I
 from cni_agent.cni.logctx import log_fields
 from cni_agent.cni.result import with_sandbox
 from cni_agent.cni.runtime import CNIRuntime, RuntimeConf
-from cni_agent.node.blocking import PathWorker
+from cni_agent.node.blocking import PathWorker, process_held
 from cni_agent.node.locks import NetworkLocks
 from cni_agent.node.netns import (
     NetnsError,
@@ -47,6 +47,7 @@ from cni_agent.node.netns import (
 from cni_agent.sandboxes import cacheview
 from cni_agent.sandboxes.cacheview import entry_of
 from cni_agent.sandboxes.records import Attachment, DamagedRecord, Phase, SandboxRecord
+from cni_agent.sandboxes.spoofguard import Guard
 from cni_agent.sandboxes.store import SandboxStore
 
 log = logging.getLogger(__name__)
@@ -170,8 +171,12 @@ class Journal:
         current: Callable[[str], NetworkConfigList | None] = lambda name: None,
         lock_timeout: float = 60.0,
         paths: PathWorker | None = None,
+        guard: Guard | None = None,
     ) -> None:
         self.runtime = runtime
+        # Members' anti-spoofing filters, installed and removed with their
+        # attachments (without nftables: none, and members get no filterable network).
+        self.guard = guard or Guard(None)
         # Every open of a caller's (or recorded) netns path goes through here.
         self.paths = paths or PathWorker()
         self.store = store
@@ -235,7 +240,10 @@ class Journal:
     async def live_netns(self, rec: SandboxRecord | None, entries: Entries, confirm: bool = True,
                          given: Pinned | None = None) -> AsyncIterator[Pinned | None]:
         """The record's namespace, pinned, if its path still names the one
-        recorded at ADD; else None (gone, replaced, or no namespace).
+        recorded at ADD; else None (gone, replaced, or no namespace). A
+        member's namespace (`SandboxRecord.by_descriptor`) is `given` if that
+        is it, else reached through a process inside it (`process_held`); a
+        namespace no process is in counts as gone.
 
         `given`: the caller's path, pinned when its call arrived: used when it
         is the recorded path (no second open of it).
@@ -244,11 +252,20 @@ class Journal:
         `confirm` (the caller holds the sandbox's lock), a record confirmed alive
         is given the namespace's stronger identity.
         """
-        if rec is None or not rec.netns or rec.netns_id is None:
+        if rec is None or rec.netns_id is None or not (rec.netns or rec.by_descriptor):
             yield None
             return
-        if given is not None and given.path == rec.netns:
-            pinned: AbstractAsyncContextManager[Pinned | None] = _as_given(given)
+        pinned: AbstractAsyncContextManager[Pinned | None]
+        if rec.by_descriptor:
+            # A member's: its descriptor again, else a process inside it; its
+            # label is never opened (a path on a mount that never answers
+            # would hold a path thread of root's, and root's GC, forever).
+            if given is not None and rec.netns_id.same(given.identity):
+                pinned = _as_given(given)
+            else:
+                pinned = process_held(rec.netns_id)
+        elif given is not None and given.path == rec.netns:
+            pinned = _as_given(given)
         else:
             pinned = self.paths.pinned_if_netns(rec.netns)
         async with pinned as ns:
@@ -313,7 +330,7 @@ class Journal:
                     raise CacheCollision(a.network, a.ifname)
             self.store.write(begun)
             try:
-                await self._commit(ns)
+                await self.store.commit()
             except BaseException:
                 self._undo_intent(rec)
                 raise
@@ -325,21 +342,6 @@ class Journal:
             self.generation += 1
             self._born[rec.sandbox_id] = self.generation
         return begun, raised
-
-    async def _commit(self, ns: Pinned) -> None:
-        """The intent durable; with a caller's path still to check (`Pinned.
-        unverified`), the check first, on a path thread, in the same hop as
-        the sync: whatever it raises, no plugin runs."""
-        check = ns.unverified
-        if check is None:
-            await self.store.commit()
-            return
-
-        async def on_a_path_thread(job: Callable[[], None]) -> None:
-            await self.paths.run(job, "netns", ns.path)
-
-        await self.store.commit(before=check, run=on_a_path_thread)
-        ns.unverified = None
 
     def _undo_intent(self, rec: SandboxRecord) -> None:
         """An intent that could not be made durable: no plugin ran, so the record
@@ -371,6 +373,9 @@ class Journal:
         with log_fields(NETWORK=net.name, IFNAME=att.ifname):
             async with self.netlocks.use(net.name, self.lock_timeout):
                 result = await self.runtime.add(net, rt)
+            # Before it is ready or answered: a member's pod is never reported
+            # set up unfiltered. AntispoofFailed is the ADD's failure (rolled back).
+            await self.guard.added(rec, att, net, result)
             ready = set(ready)
             rec = rec.with_attachments(
                 replace(a, result=result if a.ifname == att.ifname else a.result,
@@ -431,7 +436,7 @@ class Journal:
             # Its rollback DEL (the spec requires it), then one write: still in
             # the record, lost. A failed rollback DEL is the retry's first DEL.
             try:
-                await self._delete(rec.sandbox_id, new, ns, None)
+                await self._delete(rec.sandbox_id, new, ns, None, rec.owner)
             except CNIError as undo:
                 log.warning("sandbox %s: DEL after the failed ADD of %s/%s failed (retried "
                             "with it): %s", rec.sandbox_id, att.network, att.ifname, undo)
@@ -514,7 +519,7 @@ class Journal:
         gone = set(unstarted)
         for att in reversed(targets):
             try:
-                await self._delete(sid, att, ns, entries.get((att.network, att.ifname)))
+                await self._delete(sid, att, ns, entries.get((att.network, att.ifname)), rec.owner)
             except EntryKept as e:  # released; only its entry is left
                 gone.add(att.ifname)
                 missed.append(f"the removal of the cache entry of {att.network}/{att.ifname}")
@@ -545,13 +550,15 @@ class Journal:
         return Removal(kept, errors, unrecorded)
 
     async def _delete(self, sandbox_id: str, att: Attachment, ns: Pinned | None,
-                      entry: CachedAttachment | None) -> None:
+                      entry: CachedAttachment | None, owner: int) -> None:
         with log_fields(NETWORK=att.network, IFNAME=att.ifname):
             net = self._config_for(att, entry)
             rt = _conf(sandbox_id, att, ns)
             prev = _as_plugin_sees(entry.result, ns) if entry else None
             async with self.netlocks.use(att.network, self.lock_timeout):
                 await self.runtime.delete(net, rt, prev_result=prev, use_cache=False)
+            await self.guard.deleted(sandbox_id, owner, att, net,
+                                     entry.result if entry else att.result)
             log.debug("sandbox %s: %s/%s deleted", sandbox_id, att.network, att.ifname)
 
     def _config_for(self, att: Attachment, entry: CachedAttachment | None) -> NetworkConfigList:

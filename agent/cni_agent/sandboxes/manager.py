@@ -43,7 +43,14 @@ from cni_agent.sandboxes.errors import classified, classify
 from cni_agent.sandboxes.gc import Reaper
 from cni_agent.sandboxes.journal import Journal, Removal, is_recorded
 from cni_agent.sandboxes.order import Kind, Ticket
-from cni_agent.sandboxes.owners import callers_netns
+from cni_agent.sandboxes.owners import (
+    callers_netns,
+    descriptor,
+    not_its_namespace,
+    refuse_alive,
+    same_namespace,
+    validate_label,
+)
 from cni_agent.sandboxes.policy import ROOT, Caller, Policy
 from cni_agent.sandboxes.records import Attachment, CheckVerdict, Phase, SandboxRecord
 
@@ -236,6 +243,7 @@ class SandboxManager:
         if not isinstance(req.capabilities, Mapping):
             raise InvalidArgument("capabilities", "must be a JSON object")
         self.policy.capabilities(req.caller, req.capabilities, req.args)
+        self.policy.arguments(req.caller, req.args, req.pod)
 
     async def setup(self, req: SetupRequest) -> dict[str, Any]:
         with classified():
@@ -266,6 +274,9 @@ class SandboxManager:
             nets = [self.resolve(r) for r in requests]
             for net in nets:
                 self.policy.network(req.caller, net.name)
+                self.policy.spoofing(req.caller, net.name,
+                                     await self.journal.guard.why_unprotected(net))
+            Policy.once_per_sandbox(req.caller, req.sandbox_id, [net.name for net in nets])
             args = tuple(build_cni_args(req.args, req.pod, req.sandbox_id))
             caps = self.capabilities_for(req.capabilities)
             new = tuple(Attachment(net.name, r.ifname, net.bytes, args, caps)
@@ -277,7 +288,7 @@ class SandboxManager:
                     Policy.sandbox(req.caller, req.sandbox_id, rec.owner if rec else None,
                                    foreign=bool(entries))
                     if rec is not None:
-                        settled = await self.settle(rec, entries, req.netns, ns.identity)
+                        settled = await self.settle(rec, entries, req.netns, ns.identity, ns)
                         if settled is not rec:
                             rec, entries = await self.journal.view(req.sandbox_id)
                     if rec is not None:
@@ -286,17 +297,21 @@ class SandboxManager:
                         raise AgentError(ErrorKind.INVALID_ARGUMENT,
                                          f"sandbox {req.sandbox_id} has cached attachments from another "
                                          "tool or an older run; tear it down first")
-                    async with self.admission.admitted(req.caller, self.policy, req.sandbox_id,
-                                                       req.capabilities, new_sandbox=True):
+                    async with self.admission.admitted(
+                            req.caller, self.policy, req.sandbox_id, req.capabilities,
+                            new_sandbox=True,
+                            attaching=[(a.ifname, net) for a, net in zip(new, nets, strict=True)]):
                         return await self._add_all(
                             SandboxRecord(req.sandbox_id, req.netns, ns.identity, (), digest,
                                           owner=req.caller.uid), new, nets, ns)
 
     async def settle(self, rec: SandboxRecord, entries: Mapping[tuple[str, str], CachedAttachment],
-                      netns: str, identity: NetnsId) -> SandboxRecord | None:
+                      netns: str, identity: NetnsId, given: Pinned | None = None
+                      ) -> SandboxRecord | None:
         """Before a Setup: undo what an earlier run left unfinished, and reap the
-        sandbox if its namespace died (the id is being reused). What is left is live."""
-        async with self.journal.live_netns(rec, entries) as live:
+        sandbox if its namespace died (the id is being reused). What is left is
+        live. `given`: the call's namespace (a member's is looked for there first)."""
+        async with self.journal.live_netns(rec, entries, given=given) as live:
             return await self._settle_in(rec, live, netns, identity)
 
     async def _settle_in(self, rec: SandboxRecord, live: Pinned | None, netns: str,
@@ -381,33 +396,47 @@ class SandboxManager:
 
     # --- Teardown -------------------------------------------------------------------
 
-    async def teardown(self, sandbox_id: str, netns: str = "", caller: Caller = ROOT) -> None:
+    async def teardown(self, sandbox_id: str, netns: str = "", caller: Caller = ROOT,
+                       netns_fd: int | None = None) -> None:
         with classified():
             sid = self.own_id(caller, sandbox_id)
         with log_fields(SANDBOX_ID=sid):
             with classified():
-                await self._teardown(sid, netns, caller)
+                await self._teardown(sid, netns, caller, netns_fd)
 
-    async def _teardown(self, sandbox_id: str, netns: str, caller: Caller) -> None:
+    def given_netns(self, netns: str, netns_fd: int | None, caller: Caller
+                    ) -> AbstractAsyncContextManager[Pinned | None]:
+        """A removal's namespace as its caller gives it, pinned on arrival: a
+        descriptor (anyone's; `netns` its label), or a path root gave (opened
+        now, before any wait); else none. Another caller's path is never
+        opened: its sandbox's record says which namespace it is."""
         validate_removal_netns(netns)
+        if netns_fd is not None:
+            return descriptor(self.journal.paths, netns_fd, netns, caller)
+        if netns and caller.root:
+            return self.journal.paths.pinned_if_netns(netns)
+        return no_netns()
+
+    async def _teardown(self, sandbox_id: str, netns: str, caller: Caller,
+                        netns_fd: int | None = None) -> None:
         with self.order.arrive(sandbox_id, Kind.REMOVE) as ticket:
-            # The caller's path is checked and pinned now, before any wait, like
-            # Setup's; it is used only when no record says where the sandbox is.
-            # Only root's path is opened: another caller's sandbox has a record
-            # to go by, and without one it is not the caller's.
-            given_cm = (self.journal.paths.pinned_if_netns(netns) if netns and caller.root
-                        else no_netns())
+            # Used only when no record says where the sandbox is, or (a
+            # descriptor) when it is the recorded namespace.
+            given_cm = self.given_netns(netns, netns_fd, caller)
             async with unless_hung(given_cm) as given, self.locked(ticket):
                 rec, entries = await self.journal.view(sandbox_id)
                 if rec is None and not entries:
                     return  # nothing known: success, as DEL of nothing is
                 Policy.holds(caller, sandbox_id, rec.owner if rec else None, bool(entries))
+                if rec is not None and netns_fd is not None and given is not None:
+                    same_namespace(caller, rec, given)
                 # Where the DELs run: the recorded namespace if it still is the
                 # one; without a record (another tool's entries) the caller's;
                 # else none — an empty netns, which DEL must tolerate.
                 ns_cm = self.journal.live_netns(rec, entries, given=given) if rec \
                     else no_netns(given)
                 async with unless_hung(ns_cm) as ns:
+                    refuse_alive(caller, rec, given, ns)
                     claimed = await self.journal.claim(sandbox_id, rec, entries, netns,
                                                        ns.identity if ns else None)
                     with log_fields(**_single(claimed.attachments)):
@@ -424,22 +453,25 @@ class SandboxManager:
 
     # --- Check, Show, List ------------------------------------------------------------
 
-    async def check(self, sandbox_id: str, netns: str, caller: Caller = ROOT) -> None:
+    async def check(self, sandbox_id: str, netns: str, caller: Caller = ROOT,
+                    netns_fd: int | None = None) -> None:
         with classified():
             sid = self.own_id(caller, sandbox_id)
         with log_fields(SANDBOX_ID=sid):
             with classified():
-                await self._check(sid, netns, caller)
+                await self._check(sid, netns, caller, netns_fd)
 
-    async def _check(self, sandbox_id: str, netns: str, caller: Caller) -> None:
+    async def _check(self, sandbox_id: str, netns: str, caller: Caller,
+                     netns_fd: int | None = None) -> None:
         self.gate()
-        if not caller.root:
-            # Its own record names the namespace: no caller's path is opened.
-            rec, _ = await self.journal.view(sandbox_id, repair=False)
-            Policy.holds(caller, sandbox_id, rec.owner if rec else None)
-            assert rec is not None
-            netns = rec.netns
-        async with self.journal.paths.pinned(netns) as ns:
+        if netns_fd is None:
+            # A member's namespace is its descriptor: no path of its is opened.
+            Policy.named_by_path(caller)
+            cm: AbstractAsyncContextManager[Pinned] = self.journal.paths.pinned(netns)
+        else:
+            validate_label(netns)
+            cm = descriptor(self.journal.paths, netns_fd, netns, caller)
+        async with cm as ns:
             await self._check_in(sandbox_id, ns, caller)
 
     async def _check_in(self, sandbox_id: str, ns: Pinned, caller: Caller = ROOT) -> None:
@@ -449,7 +481,9 @@ class SandboxManager:
                 Policy.holds(caller, sandbox_id, rec.owner if rec else None, bool(entries))
                 if rec is None or rec.phase is not Phase.READY:
                     raise AgentError(ErrorKind.NOT_FOUND, f"sandbox {sandbox_id} is not set up")
-                if rec.netns != ns.path or not await is_recorded(rec, entries, ns):
+                if not await in_recorded(rec, entries, ns):
+                    if not caller.root:  # its descriptor: its label says nothing
+                        raise not_its_namespace(caller, sandbox_id)
                     raise AgentError(ErrorKind.INVALID_ARGUMENT,
                                      f"sandbox {sandbox_id} is set up in netns {rec.netns}, "
                                      f"not {ns.path}")
@@ -564,6 +598,15 @@ def lost_error(sandbox_id: str, att: Attachment) -> AgentError:
 
 def _iso(t: float) -> str:
     return datetime.fromtimestamp(t, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+async def in_recorded(rec: SandboxRecord, entries: Mapping[tuple[str, str], CachedAttachment],
+                      ns: Pinned) -> bool:
+    """Whether a Check's namespace is the sandbox's: by its identity, and for
+    root's (named by path) by the path too. A member's label proves nothing."""
+    if not rec.by_descriptor and rec.netns != ns.path:
+        return False
+    return await is_recorded(rec, entries, ns)
 
 
 def validate_removal_netns(netns: str) -> None:

@@ -15,8 +15,18 @@ CVE-2026-39402); this module is stricter than both:
   node's (`netns`: a readable descriptor proves nothing, nsfs files are
   world-readable), only on the networks the admin opened to it
   (`access.networks`, default none), passing only the capabilities the admin
-  allowed (`access.capabilities`, default none; host ports never below 1024),
-  holding at most `access.max_sandboxes` sandboxes;
+  allowed (`access.capabilities`, default none), host ports only inside
+  `access.host_ports` (default none) and CNI_ARGS keys only in
+  `access.cni_args` (default none besides `IgnoreUnknown`: no Kubernetes
+  identity), holding at most `access.max_sandboxes` sandboxes and
+  `access.max_attachments` attachments, each network at most once per
+  sandbox (`attachments`), and all such callers together at most
+  `access.members_share` of a network's addresses where its config gives
+  the pool size (`addresses`): the rest is root's reserve; and only on
+  networks whose attachments get anti-spoofing filters unless the admin
+  lists them in `access.unprotected_networks` (`spoofing`);
+- no caller, root included, maps a host port another sandbox maps (`HostPort`:
+  hostIP, protocol and port, normalized before any comparison);
 - node-wide state (Reload, pod CIDRs) is root's (or polkit's `configure`,
   which the package's rule never grants to the group);
 - anyone may read: properties, WaitReady, the shim's STATUS and VERSION.
@@ -24,14 +34,16 @@ CVE-2026-39402); this module is stricter than both:
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+import ipaddress
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum, StrEnum
 from typing import Any
 
 from cni_agent.api import AgentError, ErrorKind
-from cni_agent.cni.args import MAX_CONTAINER_ID
+from cni_agent.cni.args import MAX_CONTAINER_ID, PodMeta, pod_args
 from cni_agent.cni.errors import InvalidArgument
+from cni_agent.cni.pool import Pool
 
 
 class Role(StrEnum):
@@ -98,7 +110,6 @@ OWNED_PREFIX = "cni-agent.u"
 # Capabilities that reach host-wide state, the ones a member must be given
 # explicitly (every other capability too: the allowed list is the whole list).
 HOST_WIDE_CAPABILITIES = ("portMappings", "ips", "mac", "ipRanges", "infinibandGUID", "deviceID")
-LOWEST_MEMBER_PORT = 1024
 
 
 def cnicall_scope(command: str) -> Scope:
@@ -123,11 +134,24 @@ class Policy:
     open_networks: frozenset[str] = frozenset()
     open_capabilities: frozenset[str] = frozenset()
     max_sandboxes: int = 16
+    max_attachments: int = 16
+    members_share: float = 0.5
+    # `access.host_ports`, parsed: (first, last) of each range.
+    open_host_ports: tuple[tuple[int, int], ...] = ()
+    # `access.cni_args`: CNI_ARGS keys besides IgnoreUnknown (and IP/MAC, the capabilities').
+    open_cni_args: frozenset[str] = frozenset()
+    # Opened networks the agent cannot filter spoofing on that members may use anyway.
+    unprotected_networks: frozenset[str] = frozenset()
 
     @classmethod
     def of(cls, networks: Iterable[str] = (), capabilities: Iterable[str] = (),
-           max_sandboxes: int = 16) -> Policy:
-        return cls(frozenset(networks), frozenset(capabilities), max_sandboxes)
+           max_sandboxes: int = 16, *, max_attachments: int = 16, members_share: float = 0.5,
+           host_ports: Iterable[tuple[int, int]] = (), cni_args: Iterable[str] = (),
+           unprotected_networks: Iterable[str] = ()) -> Policy:
+        return cls(frozenset(networks), frozenset(capabilities), max_sandboxes,
+                   max_attachments=max_attachments, members_share=members_share,
+                   open_host_ports=tuple(host_ports), open_cni_args=frozenset(cni_args),
+                   unprotected_networks=frozenset(unprotected_networks))
 
     # --- methods ---------------------------------------------------------------------
 
@@ -248,11 +272,24 @@ class Policy:
         raise denied(f"network {name} is not open to callers that are not root (access.networks: "
                      f"{opened})")
 
+    def spoofing(self, caller: Caller, name: str, unprotected: str) -> None:
+        """A network whose attachments would go without anti-spoofing filters
+        (`unprotected` says why; "" when they get them) reaches callers that
+        are not root only when the admin lists it in access.unprotected_networks:
+        on it, a member's pod can claim another pod's MAC and addresses."""
+        if caller.root or not unprotected or name in self.unprotected_networks:
+            return
+        raise denied(f"network {name} cannot be protected against address spoofing here "
+                     f"({unprotected}); callers that are not root may use it only if "
+                     "access.unprotected_networks lists it")
+
     def capabilities(self, caller: Caller, caps: Mapping[str, Any],
                      args: Iterable[tuple[str, str]] = ()) -> None:
         """Only the capabilities the admin allowed, by name or through the
-        CNI_ARGS key that does the same (`ARG_CAPABILITIES`); host ports never
-        below 1024."""
+        CNI_ARGS key that does the same (`ARG_CAPABILITIES`); host ports only
+        inside `access.host_ports`. Everyone's port mappings are read (and
+        InvalidArgument when malformed) first: root's are compared too."""
+        ports = port_mappings(caps)
         if caller.root:
             return
         allowed = ", ".join(sorted(self.open_capabilities)) or "none"
@@ -266,10 +303,42 @@ class Policy:
                 raise denied(f"argument {key} sets what capability {cap!r} sets, which is not "
                              f"allowed to callers that are not root (access.capabilities: "
                              f"{allowed})")
-        for port, proto in host_ports(caps):
-            if port < LOWEST_MEMBER_PORT:
-                raise denied(f"host port {port}/{proto} is below {LOWEST_MEMBER_PORT}: only root "
-                             "may map it")
+        for port in sorted(ports):
+            if not any(first <= port.port <= last for first, last in self.open_host_ports):
+                granted = ", ".join(format_port_range(r) for r in self.open_host_ports) or "none"
+                raise denied(f"host port {port.port}/{port.protocol} is not in a range open to "
+                             f"callers that are not root (access.host_ports: {granted})")
+
+    def arguments(self, caller: Caller, args: Iterable[tuple[str, str]],
+                  pod: PodMeta | None = None) -> None:
+        """The CNI_ARGS keys a caller that is not root may pass: `IgnoreUnknown`,
+        `IP` and `MAC` (their capabilities decide, `capabilities`), and those
+        `access.cni_args` lists. Kubernetes' identity (`K8S_*`, and the `pod`
+        option that adds it) is a key like any other: plugins key policy and
+        IPAM on it, so only where the admin listed it."""
+        if caller.root:
+            return
+        listed = ", ".join(sorted(self.open_cni_args)) or "none"
+        if pod is not None:
+            for key, _ in pod_args(pod, ""):
+                if key != IGNORE_UNKNOWN and key not in self.open_cni_args:
+                    raise denied(f"option pod passes argument {key}, which is not allowed to "
+                                 f"callers that are not root (access.cni_args: {listed})")
+        for key, _ in args:
+            if key == IGNORE_UNKNOWN or key.upper() in ARG_CAPABILITIES or key in self.open_cni_args:
+                continue
+            raise denied(f"argument {key} is not allowed to callers that are not root "
+                         f"(access.cni_args: {listed})")
+
+    @staticmethod
+    def port_taken(caller: Caller, wanted: HostPort, held: HostPort, holder: str) -> InvalidArgument:
+        """A mapping another sandbox holds: not a question of access (root gets
+        it too), so InvalidArgument, the same for every caller. Only root
+        learns which sandbox holds it."""
+        who = f"sandbox {holder}" if caller.root else "another sandbox"
+        as_ = "" if held == wanted else f" as {held}"
+        return InvalidArgument("capabilities", f"host port {wanted} is already mapped by "
+                                               f"{who}{as_}")
 
     def quota(self, caller: Caller, held: int) -> None:
         if caller.root or held < self.max_sandboxes:
@@ -277,28 +346,157 @@ class Policy:
         raise AgentError(ErrorKind.BUSY, f"uid {caller.uid} holds {held} sandbox(es), the most "
                                          f"access.max_sandboxes allows ({self.max_sandboxes})")
 
+    # --- attachments and addresses (issue 44) -------------------------------------------
+
+    @staticmethod
+    def once_per_sandbox(caller: Caller, sandbox_id: str, networks: Sequence[str],
+                         field: str = "networks") -> None:
+        """A non-root caller's sandbox has each network at most once (`networks`:
+        what it has and what the call adds): a second interface on a network
+        is a second address of its pool, which the quotas must not be the only
+        bound on. Root keeps whatever it asks for."""
+        if caller.root:
+            return
+        seen: set[str] = set()
+        for name in networks:
+            if name in seen:
+                raise InvalidArgument(field, f"network {name} twice in sandbox "
+                                             f"{Policy.shown(caller, sandbox_id)}: callers that are "
+                                             "not root attach a sandbox to each network once")
+            seen.add(name)
+
+    def attachments(self, caller: Caller, held: int, adding: int) -> None:
+        """`access.max_attachments`: what one non-root uid holds across all its
+        sandboxes (`held`, calls under way included) once this call's `adding` are in."""
+        if caller.root or held + adding <= self.max_attachments:
+            return
+        raise AgentError(ErrorKind.BUSY, f"uid {caller.uid} holds {held} attachment(s); {adding} "
+                                         "more would pass the most access.max_attachments allows "
+                                         f"({self.max_attachments})")
+
+    def addresses(self, caller: Caller, network: str, pool: Pool | None, held: int,
+                  adding: int) -> None:
+        """`access.members_share`: all non-root callers together (`held`
+        attachments on `network`, calls under way included) keep to that share
+        of each of its range sets, so the rest is root's; no limit where the
+        pool size is unknown (`pool` None: the per-uid quotas alone apply)."""
+        if caller.root or pool is None:
+            return
+        most = pool.share(self.members_share)
+        if held + adding <= most:
+            return
+        raise AgentError(ErrorKind.BUSY, f"network {network}: callers that are not root hold "
+                                         f"{held} of its {pool.size} addresses; the most "
+                                         f"access.members_share ({self.members_share:g}) allows "
+                                         f"them is {most}, the rest is kept for root")
+
 
 # CNI_ARGS keys the reference plugins read as the capability does (host-local
 # and static take `IP`, bridge, tuning and static `MAC`): the same lever under
 # another name.
 ARG_CAPABILITIES = {"IP": "ips", "MAC": "mac"}
+# What libcni's plugins read to ignore keys they do not know: always allowed.
+IGNORE_UNKNOWN = "IgnoreUnknown"
+
+# A protocol as a port mapping may spell it (portmap hands it to iptables,
+# which takes names in any case and numbers alike): the one name compared.
+PROTOCOLS = {"tcp": "tcp", "6": "tcp", "udp": "udp", "17": "udp", "sctp": "sctp", "132": "sctp"}
 
 
-def host_ports(caps: Mapping[str, Any]) -> set[tuple[int, str]]:
-    """(port, protocol) of each `portMappings` entry; InvalidArgument when malformed."""
+@dataclass(frozen=True, order=True)
+class HostPort:
+    """What a port mapping takes on the host: the key two mappings conflict on."""
+
+    port: int
+    protocol: str  # normalized: tcp, udp or sctp
+    host_ip: str = ""  # normalized; "" = every address (absent, empty, 0.0.0.0, ::)
+
+    def conflicts(self, other: HostPort) -> bool:
+        return (self.port == other.port and self.protocol == other.protocol
+                and (not self.host_ip or not other.host_ip or self.host_ip == other.host_ip))
+
+    def __str__(self) -> str:
+        return f"{self.port}/{self.protocol}" + (f" on {self.host_ip}" if self.host_ip else "")
+
+
+def normalize_protocol(value: object) -> str:
+    """`tcp`, `udp` or `sctp` for any spelling of them; absent or "" is tcp
+    (what kubelet fills in). InvalidArgument for anything else."""
+    if value is None or value == "":
+        return "tcp"
+    if not isinstance(value, str):
+        raise InvalidArgument("capabilities", f"portMappings protocol {value!r} is not a string")
+    name = PROTOCOLS.get(value.lower())
+    if name is None:
+        raise InvalidArgument("capabilities", f"portMappings protocol {value[:40]!r} is not one "
+                                              "of tcp, udp, sctp (or 6, 17, 132)")
+    return name
+
+
+def normalize_host_ip(value: object) -> str:
+    """An address as compared: "" for every address (absent, "", 0.0.0.0, ::),
+    an IPv4-mapped IPv6 address as the IPv4 one. InvalidArgument when not an address."""
+    if value is None or value == "":
+        return ""
+    if not isinstance(value, str):
+        raise InvalidArgument("capabilities", f"portMappings hostIP {value!r} is not a string")
+    try:
+        addr = ipaddress.ip_address(value)
+    except ValueError:
+        raise InvalidArgument("capabilities", f"portMappings hostIP {value[:60]!r} is not an IP "
+                                              "address") from None
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return "" if addr.is_unspecified else str(addr)
+
+
+def host_port(entry: object) -> HostPort:
+    """One `portMappings` entry's key; InvalidArgument when malformed."""
+    if not isinstance(entry, Mapping):
+        raise InvalidArgument("capabilities", "each portMappings entry must be an object")
+    # Keys as portmap (Go's encoding/json) reads them, whatever their case:
+    # containerd's go-cni sends "HostPort", "Protocol", "HostIP"; a later key wins.
+    fields = {str(k).lower(): v for k, v in entry.items()}
+    port = fields.get("hostport")
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise InvalidArgument("capabilities", f"portMappings hostPort {port!r} is not a port")
+    return HostPort(port, normalize_protocol(fields.get("protocol")),
+                    normalize_host_ip(fields.get("hostip")))
+
+
+def port_mappings(caps: Mapping[str, Any]) -> frozenset[HostPort]:
+    """The host ports a call's `portMappings` takes; InvalidArgument when malformed."""
     entries = caps.get("portMappings")
     if entries is None:
-        return set()
+        return frozenset()
     if not isinstance(entries, list):
         raise InvalidArgument("capabilities", "portMappings must be a list")
-    out: set[tuple[int, str]] = set()
-    for entry in entries:
-        if not isinstance(entry, Mapping):
-            raise InvalidArgument("capabilities", "each portMappings entry must be an object")
-        port, proto = entry.get("hostPort"), entry.get("protocol", "tcp")
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-            raise InvalidArgument("capabilities", f"portMappings hostPort {port!r} is not a port")
-        if not isinstance(proto, str):
-            raise InvalidArgument("capabilities", f"portMappings protocol {proto!r} is not a string")
-        out.add((port, proto.lower() or "tcp"))
-    return out
+    return frozenset(host_port(entry) for entry in entries)
+
+
+def held_ports(caps: Mapping[str, Any]) -> frozenset[HostPort]:
+    """The host ports a recorded attachment holds: each entry read on its own,
+    a malformed one (recorded before entries were checked) holding nothing."""
+    entries = caps.get("portMappings")
+    out: set[HostPort] = set()
+    for entry in entries if isinstance(entries, list) else ():
+        try:
+            out.add(host_port(entry))
+        except InvalidArgument:
+            continue
+    return frozenset(out)
+
+
+def first_conflict(wanted: Iterable[HostPort], held: Iterable[HostPort]
+                   ) -> tuple[HostPort, HostPort] | None:
+    """(wanted, held) of the lowest wanted port some held port conflicts with."""
+    held = tuple(held)
+    for port in sorted(wanted):
+        for other in held:
+            if port.conflicts(other):
+                return port, other
+    return None
+
+
+def format_port_range(r: tuple[int, int]) -> str:
+    return str(r[0]) if r[0] == r[1] else f"{r[0]}-{r[1]}"

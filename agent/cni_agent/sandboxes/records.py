@@ -227,6 +227,13 @@ class SandboxRecord:
     owner: int = 0  # the uid that set it up (records before 0.2: root's)
 
     @property
+    def by_descriptor(self) -> bool:
+        """Whether its namespace is known by its identity alone (a caller that
+        is not root gave a descriptor): `netns` is then only the caller's
+        label, never opened by the agent (sandboxes/owners.py)."""
+        return self.owner != 0
+
+    @property
     def phase(self) -> Phase:
         """The sandbox's phase: any unfinished attachment makes it unfinished."""
         phases = {a.phase for a in self.attachments}

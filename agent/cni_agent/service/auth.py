@@ -60,6 +60,9 @@ class Authorizer:
         # the oldest go first (a flood of connections cannot evict everyone).
         self._cache: OrderedDict[str, tuple[int, frozenset[int]]] = OrderedDict()
         self._asking: dict[str, asyncio.Task[tuple[int, frozenset[int]]]] = {}
+        # Senders polkit authorized once: their budgets are the members' from
+        # then on (`known`), as polkit's delegates count as members.
+        self._delegates: OrderedDict[str, None] = OrderedDict()
 
     def set_groups(self, groups: Sequence[str]) -> None:
         """`access.groups`, at start and on a reload."""
@@ -67,9 +70,16 @@ class Authorizer:
         self.gids = resolve_groups(groups)
 
     def known(self, sender: str | None) -> Caller | None:
-        """The caller, if its credentials were read before (no bus call)."""
+        """The caller, if its credentials were read before (no bus call): a
+        DELEGATE if polkit authorized this sender before (for its budgets;
+        each call is still authorized on its own)."""
         creds = self._cache.get(sender) if sender is not None else None
-        return None if creds is None else self.caller(*creds)
+        if creds is None:
+            return None
+        caller = self.caller(*creds)
+        if caller.role is Role.STRANGER and sender in self._delegates:
+            return Caller(caller.uid, Role.DELEGATE)
+        return caller
 
     def caller(self, uid: int, gids: frozenset[int]) -> Caller:
         """Who a process of `uid` with groups `gids` is to us, on any transport."""
@@ -77,14 +87,9 @@ class Authorizer:
             return Caller(0, Role.ROOT)
         return Caller(uid, Role.MEMBER if gids & self.gids else Role.STRANGER)
 
-    def learn(self, sender: str) -> None:
-        """Read a sender's credentials in the background (a stranger's property
-        reads, say, which no method of ours serves), so its next calls are known."""
-        if sender not in self._cache:
-            self._lookup(sender)
-
-    def _lookup(self, sender: str) -> asyncio.Task[tuple[int, frozenset[int]]]:
-        """One bus call per sender, however many calls wait for its answer."""
+    def lookup(self, sender: str) -> asyncio.Task[tuple[int, frozenset[int]]]:
+        """Read a sender's credentials: one bus call per sender, however many
+        wait for its answer (the gate holds a sender's messages until then)."""
         task = self._asking.get(sender)
         if task is None:
             task = self._asking[sender] = asyncio.ensure_future(self._read_credentials(sender))
@@ -95,7 +100,7 @@ class Authorizer:
     async def _credentials(self, sender: str) -> tuple[int, frozenset[int]]:
         if sender in self._cache:
             return self._cache[sender]
-        return await asyncio.shield(self._lookup(sender))
+        return await asyncio.shield(self.lookup(sender))
 
     async def _read_credentials(self, sender: str) -> tuple[int, frozenset[int]]:
         reply = await self.bus.call(Message(
@@ -133,6 +138,9 @@ class Authorizer:
         if action is not None and self.polkit is not None and sender is not None:
             authorized, why = await self.polkit.check(sender, action, interactive)
             if authorized:
+                self._delegates[sender] = None
+                while len(self._delegates) > _CACHE_LIMIT:
+                    self._delegates.popitem(last=False)
                 return Caller(caller.uid, Role.DELEGATE)
         reason = Policy.refusal(caller, method, scope, self.group_names)
         raise AgentError(ErrorKind.ACCESS_DENIED, reason + (f"; {why}" if why else ""))

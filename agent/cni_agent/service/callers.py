@@ -6,8 +6,9 @@ caller holds once it is in.
 From the caller's credentials (uid and groups: the bus's for a D-Bus call,
 SO_PEERCRED and SO_PEERGROUPS for the shim's socket) to its role (root, a
 member, a stranger); whether the policy lets it call (polkit where it may
-decide); a stranger's bounds (`limits`: calls per second and in flight per
-uid, shared by both transports, so two ways in are not twice the budget);
+decide); the bounds of callers that are not root (`limits`: rates and
+shares of the calls served, per uid and per class, root's calls first;
+shared by both transports, so two ways in are not twice the budget);
 and the count of the privileged calls a shutdown's drain waits for
 (`InFlight`). Also what a CNICall answers, bounded for strangers, and how a
 failure is named to the caller: the same words on both transports.
@@ -18,8 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TypeVar
 
 from dbus_fast.errors import DBusError
@@ -30,7 +30,7 @@ from cni_agent.sandboxes.errors import classify
 from cni_agent.sandboxes.policy import Caller, Role, Scope
 from cni_agent.service.auth import Authorizer
 from cni_agent.service.cnicall import ShimCalls
-from cni_agent.service.limits import StrangerLimits
+from cni_agent.service.limits import Limits
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,9 @@ UNPRIVILEGED_MAX_REPLY = 64 * 1024
 # Calls that only read: a runtime or a monitor polling them says nothing about
 # work to come, so they never hold a drain up (CNICall STATUS and VERSION too).
 READS = frozenset({"WaitReady", "Show", "ListSandboxes"})
+# Calls that only wait (for readiness, up to a day): counted against the
+# caller's uid, but holding no slot of its class's share while they wait.
+WAITS = frozenset({"WaitReady"})
 
 Credentials = tuple[int, frozenset[int]]  # uid, gids
 
@@ -117,36 +120,42 @@ def sendable(value: T) -> T:
 class Callers:
     def __init__(self, authorizer: Authorizer) -> None:
         self.authorizer = authorizer
-        self.limits = StrangerLimits()
+        self.limits = Limits()
         self.in_flight = InFlight()
 
     async def serve(self, name: str, scope: Scope, credentials: Credentials,
                     work: Callable[[Caller], Awaitable[T]], *, sender: str | None = None,
                     counted: bool = False, interactive: bool = False) -> T:
         """Serve one call of method `name`: who calls, from `credentials`;
-        whether the policy lets it (polkit, where it may decide, for a bus
-        `sender`); within a stranger's bounds (`counted`: its rate was already
-        taken by the transport); then `work(caller)`, whose result must be
-        `sendable`. Only calls of root, members and whom polkit authorized
-        count for the shutdown's drain."""
+        within its rates (`counted`: already taken by the transport); whether
+        the policy lets it (polkit, where it may decide, for a bus `sender`);
+        then `work(caller)` within its class's share (root's at once), whose
+        result must be `sendable`. A stranger waits for polkit within the
+        strangers' share; once authorized, its work is in the members'. Only
+        calls of root, members and whom polkit authorized count for the
+        shutdown's drain."""
         caller = self.authorizer.caller(*credentials)
-        with self._bounded(caller, counted):
+        if not counted:
+            over = self.limits.take(caller)
+            if over is not None:
+                raise over
+        slot = name not in WAITS
+        if caller.role is Role.STRANGER:
+            async with self.limits.share(caller, slot):
+                caller = await self.authorizer.authorize(caller, sender, name, scope, interactive)
+                if caller.role is Role.STRANGER:  # a read, within the strangers' share
+                    return sendable(await work(caller))
+        else:
             caller = await self.authorizer.authorize(caller, sender, name, scope, interactive)
-            if caller.role is Role.STRANGER:  # a read, within the stranger's bounds
-                return sendable(await work(caller))
-        return sendable(await self._counted(name, scope, lambda: work(caller)))
+        # Counted for the drain while it waits for its share too: a member's
+        # call accepted before SIGTERM is served, not dropped.
+        return sendable(await self._counted(name, scope,
+                                            lambda: self._shared(caller, work, slot)))
 
-    @contextmanager
-    def _bounded(self, caller: Caller, counted: bool) -> Iterator[None]:
-        """A stranger's call against its uid's rate (unless the transport
-        counted it) and in-flight bound; nothing for anyone else."""
-        if caller.role is not Role.STRANGER:
-            yield
-            return
-        if not counted and not self.limits.take(caller.uid):
-            raise self.limits.over_rate()
-        with self.limits.flight(caller.uid):
-            yield
+    async def _shared(self, caller: Caller, work: Callable[[Caller], Awaitable[T]],
+                      slot: bool) -> T:
+        async with self.limits.share(caller, slot):
+            return await work(caller)
 
     async def _counted(self, name: str, scope: Scope, work: Callable[[], Awaitable[T]]) -> T:
         """In flight for the drain; a call that may change something also marks

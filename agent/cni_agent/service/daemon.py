@@ -20,6 +20,7 @@ import signal
 import sys
 import time
 
+import uvloop
 from dbus_fast.aio import MessageBus
 from dbus_fast.constants import NameFlag, RequestNameReply
 
@@ -170,6 +171,7 @@ class Daemon:
         self.monitor.grace_period = cfg.monitor.grace_period
         self.pod_cidrs.configure(cfg.pod_cidrs)
         self.manager.policy = policy_of(cfg)
+        self.core.journal.guard.reprobe()  # nftables may have been installed since
         if hasattr(self, "iface"):
             self.iface.authorizer.set_groups(cfg.access.groups)
         set_log_level(cfg.log_level)
@@ -237,6 +239,8 @@ class Daemon:
                                     check_now=self.core.drift.check_now)
         self.core.checks.subscribe(self.iface.on_check)
         self.iface.gate.send = bus.send
+        # A call held until its sender's uid is known goes the way it came in.
+        self.iface.gate.dispatch = bus._process_message
         bus.add_message_handler(self.iface.gate)
         bus.export(OBJECT_PATH, self.iface)
         # systemd first: its STATUS= line never depends on the bus being there.
@@ -279,11 +283,11 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.add_signal_handler(sig, self._on_signal, sig)
         self._recovery = asyncio.create_task(self._recover(), name="cni-agent-recovery")
-        if self.core.drift.on:
-            try:
-                await FirewalldWatch(bus, self.core.drift.trigger).start()
-            except Exception as e:
-                log.warning("cannot watch firewalld: %s; its reloads will not trigger CHECKs", e)
+        # Always: with CHECK passes off, a reload still has members' filters checked.
+        try:
+            await FirewalldWatch(bus, self.core.drift.trigger).start()
+        except Exception as e:
+            log.warning("cannot watch firewalld: %s; its reloads will not trigger CHECKs", e)
         await self.monitor.start()
         self.notifier.ready(self.monitor.state.status)
         self.notifier.start_watchdog()
@@ -379,7 +383,11 @@ def run(config_path: str | None, bus: str | None) -> int:
         cfg = cfg.replace(bus=bus)
     setup_logging(cfg.log_level)
     try:
-        return asyncio.run(Daemon(cfg, config_path, bus).run())
+        # uvloop (libuv): the loop's own share of a call (scheduling, transports,
+        # timers) was the largest single cost left per call; its loop cost 5-9 %
+        # less agent CPU per call than asyncio's, A/B on this path (bench.ab).
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(Daemon(cfg, config_path, bus).run())
     except StartupError as e:
         print(f"cni-agent: {e}", file=sys.stderr)
         return e.exit_status

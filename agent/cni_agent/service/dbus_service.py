@@ -381,8 +381,8 @@ class AgentInterface(ServiceInterface):
     @signature("s", "s", "a{sv}")
     async def Teardown(self, sandbox_id: str, netns: str, options: dict[str, Variant]) -> None:
         async def work(caller: Caller) -> None:
-            parse_options(options)
-            await self.manager.teardown(sandbox_id, netns, caller)
+            opts = parse_options(options, fds=self.gate.call.get().fds)
+            await self.manager.teardown(sandbox_id, netns, caller, opts.get("netns_fd"))
 
         await self._serve("Teardown", work)
 
@@ -390,8 +390,8 @@ class AgentInterface(ServiceInterface):
     @signature("s", "s", "a{sv}")
     async def Check(self, sandbox_id: str, netns: str, options: dict[str, Variant]) -> None:
         async def work(caller: Caller) -> None:
-            parse_options(options)
-            await self.manager.check(sandbox_id, netns, caller)
+            opts = parse_options(options, fds=self.gate.call.get().fds)
+            await self.manager.check(sandbox_id, netns, caller, opts.get("netns_fd"))
 
         await self._serve("Check", work)
 
@@ -481,9 +481,10 @@ class AgentInterface(ServiceInterface):
     async def Detach(self, sandbox_id: str, netns: str, network: str, ifname: str,
                      options: dict[str, Variant]) -> None:
         async def work(caller: Caller) -> None:
-            parse_options(options, ATTACH_OPTIONS)
+            opts = parse_options(options, ATTACH_OPTIONS, self.gate.call.get().fds)
             await self.shim.attachments.detach(sandbox_id, netns, network,
-                                               ifname or DEFAULT_IFNAME, caller=caller)
+                                               ifname or DEFAULT_IFNAME, caller=caller,
+                                               netns_fd=opts.get("netns_fd"))
 
         await self._serve("Detach", work)
 

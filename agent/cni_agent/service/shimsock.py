@@ -5,9 +5,10 @@ the bus daemon (the shim's Hello, the call, the agent's
 GetConnectionCredentials of the new connection) and libsystemd's start-up;
 here it is one connect and one exchange. The call is the D-Bus CNICall's:
 `Callers.serve` (the caller's role from SO_PEERCRED and SO_PEERGROUPS, as
-the bus daemon reads them; the policy; strangers' bounds, shared with the
-bus; the drain's count) and `cnicall`, and a failure comes back as the same
-error name and message, so the shim turns it into the same CNI error. The
+the bus daemon reads them; the policy; the rates and shares of callers that
+are not root, shared with the bus; the drain's count) and `cnicall`, and a
+failure comes back as the same error name and message, so the shim turns it
+into the same CNI error. The
 D-Bus API stays for every other client, and the shim falls back to it when
 this socket is not there (bus activation starts a stopped agent).
 
@@ -23,9 +24,11 @@ Bounds: the env at most MAX_ENV bytes, the config MAX_CONFIG (strangers:
 UNPRIVILEGED_MAX_STDIN, refused unread beyond); the whole request within
 READ_TIMEOUT of connecting; a reply not taken within WRITE_TIMEOUT (a client
 that stops reading) is dropped. Strangers: CONNECTIONS at once per uid
-(STRANGER_CONNECTIONS in all), their rate as on the bus (over it, Busy after
-the tarpit's delay). Every request is answered, a malformed one with
-InvalidArgument saying what is wrong.
+(STRANGER_CONNECTIONS in all). The rates and shares are the bus's, counted
+together (`limits`): a caller is known by SO_PEERCRED at once, so nothing
+waits for a lookup here; over a rate, Busy after the tarpit's delay; root's
+calls are never counted nor made to wait. Every request is answered, a
+malformed one with InvalidArgument saying what is wrong.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 from cni_agent.api import ERROR_PREFIX, AgentError, ErrorKind
 from cni_agent.sandboxes.policy import Caller, Role, cnicall_scope
@@ -262,17 +266,19 @@ class ShimSocket:
             self._on_operation("CNICall", result, time.monotonic() - arrived)
 
     async def _rate(self, caller: Caller) -> bool:
-        """A stranger's call against its uid's rate, as the bus's gate takes it:
-        over it, Busy after the tarpit's delay (at once when too many wait)."""
-        if caller.role is not Role.STRANGER:
+        """A call against its caller's rates, as the bus's gate takes them
+        (a stranger's uid's, all strangers', all members'): over one, Busy
+        after the tarpit's delay (at once when too many wait). Root: none."""
+        if caller.role is Role.ROOT:
             return False
         limits = self.callers.limits
-        if limits.take(caller.uid):
+        over = limits.take(caller)
+        if over is None:
             return True
         delayed = asyncio.Event()
         if limits.tarpit(delayed.set):
             await delayed.wait()
-        raise limits.over_rate()
+        raise over
 
     async def _work(self, caller: Caller, request: Request) -> tuple[int, str]:
         if request.config is None:  # not read: over the caller's bound
@@ -295,8 +301,8 @@ class _Connection(asyncio.Protocol):
         self.task: asyncio.Task[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's stream transport is not an asyncio.Transport subclass; it has its methods.
+        self.transport = transport = cast(asyncio.Transport, transport)
         try:
             self.credentials = peer_credentials(transport.get_extra_info("socket"))
         except OSError as e:  # not a connection a process made

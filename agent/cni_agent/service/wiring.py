@@ -6,12 +6,14 @@ and drive it in-process.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 
 from cni_agent.cni.exec import Executor, ProcessExecutor
 from cni_agent.cni.runtime import CNIRuntime, Timeouts
 from cni_agent.config import AgentConfig
+from cni_agent.node.antispoof import TABLE, Filters
 from cni_agent.node.blocking import PathWorker
 from cni_agent.node.locks import NetworkLocks, SandboxLocks
 from cni_agent.readiness.fallback import fallback_network
@@ -25,6 +27,7 @@ from cni_agent.sandboxes.journal import Journal
 from cni_agent.sandboxes.manager import SandboxManager
 from cni_agent.sandboxes.manager import Timeouts as SandboxTimeouts
 from cni_agent.sandboxes.policy import Policy
+from cni_agent.sandboxes.spoofguard import Guard
 from cni_agent.sandboxes.store import SandboxStore
 from cni_agent.service.cnicall import ShimCalls
 from cni_agent.service.metrics import Metrics
@@ -33,7 +36,23 @@ from cni_agent.service.metrics import Metrics
 def policy_of(cfg: AgentConfig) -> Policy:
     """`access.*`: what callers that are not root may use."""
     a = cfg.access
-    return Policy.of(a.networks, a.capabilities, a.max_sandboxes)
+    return Policy.of(a.networks, a.capabilities, a.max_sandboxes,
+                     max_attachments=a.max_attachments, members_share=a.members_share,
+                     host_ports=a.port_ranges(), cni_args=a.cni_args,
+                     unprotected_networks=a.unprotected_networks)
+
+
+DEFAULT_STATE_DIR = "/var/lib/cni-agent"
+
+
+def antispoof_table(cfg: AgentConfig) -> str:
+    """The agent's nftables table: `cni_agent`, or one of its own for an agent
+    with another state_dir (each agent reconciles its table with its own
+    records; tests run many at once)."""
+    state = os.path.realpath(cfg.state_dir)
+    if state == DEFAULT_STATE_DIR:
+        return TABLE
+    return f"{TABLE}_{hashlib.sha256(state.encode()).hexdigest()[:10]}"
 
 
 def instance_of(cfg: AgentConfig) -> str:
@@ -61,6 +80,7 @@ class Core:
         await self.drift.stop()
         await self.reaper.stop()
         self.journal.paths.stop()
+        self.journal.guard.close()
         await self.journal.store.close()
 
 
@@ -92,7 +112,8 @@ def build_core(cfg: AgentConfig, executor: Executor | None = None) -> Core:
     monitor.subscribe(metrics.on_state)
     netlocks = NetworkLocks()
     journal = Journal(runtime, SandboxStore(cfg.state_dir), netlocks,
-                      current=monitor.network, lock_timeout=t.lock, paths=PathWorker())
+                      current=monitor.network, lock_timeout=t.lock, paths=PathWorker(),
+                      guard=Guard(Filters(antispoof_table(cfg)), cfg.antispoof))
     locks = SandboxLocks(os.path.join(cfg.runtime_dir, "locks"), observe=metrics.locked)
     reaper = Reaper(journal, locks, netlocks, monitor.networks,
                     gc_verb=gc_verb_allowed(cfg.gc.networks), lock_timeout=t.lock,
