@@ -281,6 +281,14 @@ class Installed:
 EMPTY = Installed(False, {}, {})
 
 
+def _trim() -> None:
+    """glibc's malloc_trim(0): free pages of every arena back to the kernel."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to give back this way
+        pass
+
+
 class Nftables:
     """One libnftables context, JSON in and out. Blocking; not thread-safe:
     `Filters` calls it from one thread only."""
@@ -488,6 +496,18 @@ class Filters:
         """One listing of the table: what a presence check compares with."""
         result: Installed = await self._call(self._list)
         return result
+
+    async def idle(self) -> None:
+        """Nothing is filtered now: the context goes, with the cache it built from
+        the kernel (some MiB, more with a big ruleset), and what its thread's
+        malloc arena keeps is given back; the next call makes a new one."""
+        await self._call(self._idle)
+
+    def _idle(self) -> None:
+        if self._nft is not None:
+            self._nft.close()
+            self._nft = None
+            _trim()
 
     async def drop_table(self) -> None:
         """The whole table gone (tests; an agent never drops its members' filters)."""
