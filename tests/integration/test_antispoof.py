@@ -253,6 +253,7 @@ async def test_the_filter_lets_the_pods_own_traffic_through(
     await filters.install(PortFilter.of(b.host_veth, b.mac, [b.ip]))
     assert await asyncio.to_thread(deliver, b, a, a.ip) == 5
     a_ll = await asyncio.to_thread(link_local, a)
+    await asyncio.to_thread(link_local, b)  # B sends from its own, once its DAD is over too
     assert await asyncio.to_thread(deliver, b, a, f"{a_ll}%eth0") == 5
     # And the host's replies reach B: its neighbour entry for B is B's.
     assert await asyncio.to_thread(deliver, None, b, b.ip) == 5

@@ -501,7 +501,8 @@ class Filters:
         """Nothing is filtered now: the context goes, with the cache it built from
         the kernel (some MiB, more with a big ruleset), and what its thread's
         malloc arena keeps is given back; the next call makes a new one."""
-        await self._call(self._idle)
+        if self._nft is not None:  # set on the nft thread; None: nothing to free
+            await self._call(self._idle)
 
     def _idle(self) -> None:
         if self._nft is not None:

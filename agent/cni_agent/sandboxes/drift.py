@@ -259,7 +259,9 @@ class DriftPasses:
         if m.journal.guard.mode != "all" and not m.journal.store.ids(OWNED_PREFIX):
             # No record a filter is for (root's only, `antispoof: members`): no
             # nftables call, so a node only root uses never loads libnftables
-            # (its context and cache cost ~5 MiB; measured by `footprint`).
+            # (its context and cache cost ~5 MiB; measured by `footprint`), and
+            # one the members have left lets it go.
+            await m.journal.guard.idle()
             return report
         if records is None:
             records = m.journal.store.all()[0]

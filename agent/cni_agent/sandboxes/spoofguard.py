@@ -260,8 +260,13 @@ class Guard:
             except FilterError as e:
                 report.errors.append(f"the stale anti-spoofing filter of {port} stays: {e}")
         if not expected and not report.errors:
-            await self.filters.idle()  # nothing to keep a context (and its cache) for
+            await self.idle()
         return report
+
+    async def idle(self) -> None:
+        """Nothing is filtered: nothing to keep an nftables context (and its cache) for."""
+        if self.filters is not None:
+            await self.filters.idle()
 
     def close(self) -> None:
         if self.filters is not None:
