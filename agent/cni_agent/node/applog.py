@@ -241,14 +241,6 @@ class AppendLog:
             self._start_sync()
         await fut
 
-    def sync_step(self) -> tuple[Callable[[], None], Callable[[BaseException | None], None]]:
-        """A sync of every line appended so far, to run on a thread of the
-        caller's choosing (with work of its own: one hop for both), and what to
-        call on the loop with its outcome. Commits waiting meanwhile that it
-        covers end with it."""
-        paths, dir_fd, done = self._batch()
-        return functools.partial(_sync_all, paths, dir_fd), done
-
     def _batch(self) -> tuple[list[str], int, Callable[[BaseException | None], None]]:
         """What a sync of every line appended so far covers (the files, the
         directory's fd or -1), and what to call with its outcome."""

@@ -21,7 +21,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 
 from cni_agent.cni.cache import fsync_dir
@@ -298,38 +298,13 @@ class SandboxStore:
         self._forget(sandbox_id)
         return damaged.path
 
-    async def commit(self, before: Callable[[], None] | None = None,
-                     run: Callable[[Callable[[], None]], Awaitable[None]] | None = None) -> None:
+    async def commit(self) -> None:
         """Everything written so far made durable (shared with every caller
-        waiting meanwhile); CacheError when the disk does not.
-
-        `before`: blocking work that must pass first (whatever it raises is
-        raised, and then nothing was synced for it), run with the sync in one
-        job by `run` (a thread of the caller's choosing): one thread hop for
-        both."""
+        waiting meanwhile); CacheError when the disk does not."""
         wal = self._log
         assert wal is not None
         try:
-            if before is None or run is None:
-                await wal.commit()
-                return
-            job, done = wal.sync_step()
-            synced: list[BaseException | None] = []
-
-            def both() -> None:
-                before()
-                try:
-                    job()
-                except OSError as e:
-                    synced.append(e)
-                    raise
-                synced.append(None)
-
-            try:
-                await run(both)
-            finally:
-                if synced:
-                    done(synced[0])
+            await wal.commit()
         except OSError as e:
             raise CacheError(f"cannot make the sandbox record durable: {e}") from e
 
