@@ -125,10 +125,7 @@ class Attachments:
             with m.order.arrive(req.sandbox_id, Kind.ADD, frozenset({req.ifname})) as ticket:
                 await m.wait_ready(ticket)
                 net = m.resolve(NetworkRequest(req.network, req.ifname))
-                m.policy.network(req.caller, net.name)
-                if not req.caller.root:  # root is never refused for it: no nftables probe
-                    m.policy.spoofing(req.caller, net.name,
-                                      await m.journal.guard.why_unprotected(net))
+                await m.may_use(req.caller, net)
                 att = Attachment(net.name, req.ifname, net.bytes, args,
                                  m.capabilities_for(req.capabilities), origin=req.origin)
                 with log_fields(NETWORK=net.name):

@@ -267,16 +267,21 @@ class SandboxManager:
         self.on_set_up(req.sandbox_id)
         return doc
 
+    async def may_use(self, caller: Caller, net: NetworkConfigList) -> None:
+        """The policy on `caller` using `net` (Setup and Attach alike): opened to
+        it, and filterable against spoofing unless the admin said otherwise.
+        Root is refused neither: its calls make no nftables probe."""
+        self.policy.network(caller, net.name)
+        if not caller.root:
+            self.policy.spoofing(caller, net.name, await self.journal.guard.why_unprotected(net))
+
     async def _setup_in(self, req: SetupRequest, ns: Pinned) -> dict[str, Any]:
         with self.order.arrive(req.sandbox_id, Kind.ADD) as ticket:
             await self.wait_ready(ticket)
             requests = req.networks or (NetworkRequest(),)
             nets = [self.resolve(r) for r in requests]
             for net in nets:
-                self.policy.network(req.caller, net.name)
-                if not req.caller.root:  # root is never refused for it: no nftables probe
-                    self.policy.spoofing(req.caller, net.name,
-                                         await self.journal.guard.why_unprotected(net))
+                await self.may_use(req.caller, net)
             Policy.once_per_sandbox(req.caller, req.sandbox_id, [net.name for net in nets])
             args = tuple(build_cni_args(req.args, req.pod, req.sandbox_id))
             caps = self.capabilities_for(req.capabilities)
