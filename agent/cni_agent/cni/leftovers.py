@@ -139,6 +139,7 @@ class Leftovers:
         self._count = 0
         self._files: dict[int, int] = {}  # thread id -> its open children file
         self._adopting = False  # every child that is no plugin in flight is a plugin's
+        self._zombies: set[int] = set()  # exited plugins whose run is over, not yet reaped
 
     def adopt(self) -> bool:
         """Make this process the reaper of what plugins leave, and take every child
@@ -155,8 +156,15 @@ class Leftovers:
     def started(self, pid: int, token: str) -> None:
         self._running[pid] = token
 
-    def ended(self, pid: int) -> None:
+    def ended(self, pid: int, reaped: bool = True) -> None:
+        """Plugin `pid`'s run is over; not `reaped` yet: a zombie of ours, no
+        leftover, until `reaped`."""
         self._running.pop(pid, None)
+        if not reaped:
+            self._zombies.add(pid)
+
+    def reaped(self, pid: int) -> None:
+        self._zombies.discard(pid)
 
     def _our_children(self) -> set[int]:
         """Children of the main thread (orphans are re-parented to it) and of this
@@ -185,8 +193,9 @@ class Leftovers:
         return found
 
     def _strangers(self) -> set[int]:
-        """Our children that are neither a plugin in flight nor being reaped."""
-        return self._our_children() - self._running.keys() - self._reaping.keys()
+        """Our children that are neither a plugin in flight nor being reaped (nor
+        an exited plugin about to be)."""
+        return self._our_children() - self._running.keys() - self._reaping.keys() - self._zombies
 
     def sweep(self, pid: int, token: str) -> list[Left]:
         """Kill what the run of plugin `pid` (token `token`) left, and what

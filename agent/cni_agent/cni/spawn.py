@@ -17,7 +17,11 @@ call ends (`leftovers`), and logged at WARNING.
 
 The process is reaped only after its group was killed: while it is unreaped
 (a zombie at worst) its pid, and so its process group id, cannot be reused,
-so the kill can never reach a stranger.
+so the kill can never reach a stranger. Its exit status is read at once
+(waitid with WNOWAIT), the reaping itself comes `_REAP_AFTER` later: a
+wait4 right after a plugin that entered a namespace exits spends 0.2-0.6 ms
+of kernel CPU invalidating its /proc entries, a few milliseconds later 30 us
+(measured on bridge ADDs; a quarter of the agent's CPU per CRI-O call).
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ _DRAIN_READS = 16
 # How long a plugin SIGKILLed at its deadline may take to exit before the
 # caller is answered anyway (it is reaped when it does exit).
 _EXIT_GRACE = 0.5
+# How long an exited plugin stays a zombie before it is reaped (see above).
+_REAP_AFTER = 0.02
 
 # Python 3.13 closes every descriptor >= 3 in the child (close_range there);
 # before it, every descriptor of ours >= 3 is made close-on-exec at each spawn.
@@ -109,6 +115,26 @@ class _Exits:
         self._epoll = select.epoll()
         self._waiting: dict[int, Callable[[], None]] = {}
         loop.add_reader(self._epoll.fileno(), self._ready)
+        # Exited plugins whose status was read, to reap: (pid, pidfd, then).
+        self._zombies: list[tuple[int, int, Callable[[int], None]]] = []
+
+    def bury(self, pid: int, pidfd: int, then: Callable[[int], None]) -> None:
+        """Reap `pid` (exited, its status read) `_REAP_AFTER` from now, all
+        the zombies due by then in one timer; then close `pidfd`, `then(pid)`."""
+        if not self._zombies:
+            self.loop.call_later(_REAP_AFTER, self._bury)
+        self._zombies.append((pid, pidfd, then))
+
+    def _bury(self) -> None:
+        zombies, self._zombies = self._zombies, []
+        for pid, pidfd, then in zombies:
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+            finally:
+                os.close(pidfd)
+                then(pid)
 
     def watch(self, pidfd: int, on_exit: Callable[[], None]) -> None:
         self._epoll.register(pidfd, select.EPOLLIN | select.EPOLLONESHOT)
@@ -389,9 +415,15 @@ class Child:
             log.warning("plugin %s left %d process(es) running, killed: %s", self._label,
                         len(self.left), ", ".join(map(str, self.left)))
         self._kill()
-        try:
-            _, status = os.waitpid(self.pid, os.WNOHANG)  # it has exited: its pidfd said so
-        finally:
+        try:  # it has exited (its pidfd said so): its status, leaving it a zombie
+            info = os.waitid(os.P_PIDFD, self._pidfd, os.WEXITED | os.WNOWAIT | os.WNOHANG)
+        except BaseException:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(self.pid, os.WNOHANG)
             os.close(self._pidfd)
             self._leftovers.ended(self.pid)
-        return os.waitstatus_to_exitcode(status)
+            raise
+        self._leftovers.ended(self.pid, reaped=False)
+        _exits(self._loop).bury(self.pid, self._pidfd, self._leftovers.reaped)
+        assert info is not None  # exited: WNOHANG finds it
+        return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
