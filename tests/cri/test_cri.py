@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 import subprocess
 import time
 from collections.abc import Callable
@@ -110,16 +111,34 @@ def test_a_pod_gets_its_address_from_the_agent(node: Node) -> None:
     assert node.cri.sandboxes() == []
 
 
+def crio_nft_hostports() -> str:
+    """CRI-O's host ports when it keeps them in nftables (its `crio-hostports`
+    table, preferred to iptables where the `nft` tool is installed): the
+    `hostports` map's elements, `tcp . PORT : IP . PORT`; "" without the table."""
+    out = subprocess.run(["nft", "list", "map", "ip", "crio-hostports", "hostports"],
+                         capture_output=True, text=True)
+    return out.stdout if out.returncode == 0 else ""
+
+
+def host_port_mapped(port: int, ip: str, to: int) -> bool:
+    """Whether host port `port` is DNATed to `ip`:`to`, in iptables or CRI-O's nftables map."""
+    rules = dnat_rules()
+    if f"--dport {port}" in rules and f"--to-destination {ip}:{to}" in rules:
+        return True
+    return re.search(rf"\b{port}\b[^,}}]*:\s*{re.escape(ip)} \. {to}\b",
+                     crio_nft_hostports()) is not None
+
+
 def test_port_mappings_reach_the_pod(node: Node) -> None:
     sandbox = node.cri.run(Pod("web", port_mappings=[PortMapping(80, 18247)]))
     ip = node.cri.status(sandbox).ip
-    assert "--dport 18247" in dnat_rules() and f"--to-destination {ip}:80" in dnat_rules(), \
-        dnat_rules()
+    assert host_port_mapped(18247, ip, 80), (dnat_rules(), crio_nft_hostports())
     if node.runtime_name == "containerd":  # the agent's portmap made them
         rules = [r for r in dnat_rules().splitlines() if "--dport 18247" in r and "DNAT" in r]
         assert rules and all(f"--to-destination {ip}:80" in r for r in rules), dnat_rules()
     node.cri.stop(sandbox)
-    assert "--dport 18247" not in dnat_rules() and f"{ip}:80" not in dnat_rules()
+    assert not host_port_mapped(18247, ip, 80), (dnat_rules(), crio_nft_hostports())
+    assert "--dport 18247" not in dnat_rules() and "18247" not in crio_nft_hostports()
     node.cri.remove(sandbox)
 
 
