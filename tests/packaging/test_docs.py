@@ -353,3 +353,86 @@ def test_the_readmes_first_pod_works_on_a_real_agent(tmp_path: Path) -> None:
         subprocess.run(["ip", "link", "del", names["cni0"]], capture_output=True)
         agent.stop()
         bus.stop()
+
+
+# --- who refused: the bus policy lets every call through, the agent decides ------------------
+
+POLICY = REPO / "dbus" / "org.cniagent.Agent1.conf"
+# What the pages said before the bus policy left every decision to the agent.
+STALE_POLICY_CLAIMS = re.compile(
+    r"allows this only to root and|group `cni-agent` may call the interface|"
+    r"run the runtime as root or as a member", re.I)
+
+
+def test_what_the_pages_say_of_the_bus_policy_is_what_it_allows() -> None:
+    policies = ET.parse(POLICY).getroot().findall("policy")
+    assert [p.attrib for p in policies] == [{"user": "root"}, {"context": "default"}], \
+        "the policy grants a group something: the pages say it grants no one more than another"
+    default = next(p for p in policies if p.get("context") == "default")
+    assert {"send_destination": "org.cniagent.Agent1", "send_interface": "org.cniagent.Agent1"} \
+        in [a.attrib for a in default.findall("allow")], "the default context reaches the interface"
+    row = next(r for t in tables(README.read_text()) if t.header == ("file", "what")
+               for r in t.rows if "org.cniagent.Agent1.conf" in r[0])
+    assert "every caller may reach the interface" in row[1] and "the agent decides" in row[1]
+    sources = [README, *pages(), *sorted((REPO / "docs" / "man").glob("*.rst")),
+               *sorted((REPO / "agent").rglob("*.py")), *sorted((REPO / "shim").glob("*.c"))]
+    stale = [str(p.relative_to(REPO)) for p in sources if STALE_POLICY_CLAIMS.search(p.read_text())]
+    assert not stale, f"still say the bus policy admits only root and the group: {stale}"
+
+
+def deny_locally(tmp_path: Path, *members: str) -> Path:
+    """The shipped policy plus an admin's local rule denying `members` to everyone."""
+    rules = "".join('<deny send_destination="org.cniagent.Agent1" '
+                    f'send_interface="org.cniagent.Agent1" send_member="{m}"/>' for m in members)
+    text = POLICY.read_text().replace(
+        "</busconfig>", f'<policy context="default">{rules}</policy>\n</busconfig>')
+    path = tmp_path / "local-policy.conf"
+    path.write_text(text)
+    path.chmod(0o644)
+    return path
+
+
+def troubleshooting_says(message: str) -> None:
+    """`message` is one of the AccessDenied section's quoted messages, as printed."""
+    quoted = [code_spans(cell)[0] for t in tables(section(text("troubleshooting.md"),
+                                                          "AccessDenied"))
+              for cell in t.column("Message")]
+    assert any(all(part in message for part in fixed_parts(q)) for q in quoted), \
+        f"docs/troubleshooting.md's AccessDenied section quotes nothing like {message!r}"
+
+
+@pytest.mark.root
+def test_an_access_denied_says_what_refused_the_caller(tmp_path: Path, netns: str) -> None:
+    """The agent's refusal names its rule, the bus daemon's says the agent never saw the call;
+    both as docs/troubleshooting.md quotes them, from the CLI and from the shim."""
+    from tests.support.agent import as_user_python
+    from tests.support.shim import readable_shim, run_shim, shim_conf
+
+    shim = readable_shim()
+    for local_rule in (False, True):
+        bus = Bus("system", policy_file=deny_locally(tmp_path, "Setup", "CNICall")
+                  if local_rule else POLICY)
+        agent = Agent(tmp_path / str(local_rule), bus)
+        agent.conf_dir.mkdir(parents=True)
+        try:
+            agent.start()
+            cli = subprocess.run([*as_user_python("nobody"), "--bus", bus.address, "setup", "x",
+                                  netns], capture_output=True, text=True, timeout=60)
+            add = run_shim(bus.address, "ADD", shim_conf("pods"), cid="c", netns=netns,
+                           user="nobody", binary=shim, socket=str(tmp_path / "absent"))
+        finally:
+            agent.stop()
+            bus.stop()
+        assert cli.returncode == 4, cli.stderr
+        assert add.code == 999, add
+        if local_rule:
+            assert "Rejected send message" in cli.stderr and \
+                "refused by the D-Bus daemon's policy, before cni-agent saw the call" in cli.stderr
+            assert add.out["msg"].startswith("access denied by the D-Bus daemon's policy"), add
+        else:
+            assert cli.stderr == ("cni-agent: access denied: Setup requires root or membership "
+                                  "in the cni-agent group (caller uid 65534)\n")
+            assert add.out["msg"] == ("access denied by cni-agent: CNICall is for runtimes "
+                                      "running as root; use Setup or Attach with netns_fd")
+        troubleshooting_says(cli.stderr.strip())
+        troubleshooting_says(add.out["msg"])
