@@ -281,7 +281,7 @@ def test_the_message_check_tells_a_real_message_from_a_reworded_one() -> None:
 def test_the_runtimes_page_shows_the_crio_drop_in_shim_config_prints() -> None:
     out = subprocess.run([sys.executable, "-m", "cni_agent", "shim-config", "--runtime", "crio",
                           "--drop-in"], capture_output=True, text=True, check=True).stdout
-    block = re.search(r"```toml\n(.*?)```", text("runtimes.md"), re.S)
+    block = re.search(r"```toml\n(.*?)```", section(text("runtimes.md"), "CRI-O"), re.S)
     assert block is not None and block.group(1) == out
 
 
@@ -436,3 +436,48 @@ def test_an_access_denied_says_what_refused_the_caller(tmp_path: Path, netns: st
                                       "running as root; use Setup or Attach with netns_fd")
         troubleshooting_says(cli.stderr.strip())
         troubleshooting_says(add.out["msg"])
+
+
+# --- runtimes: every version a node runs ----------------------------------------------------
+
+
+def test_the_runtimes_page_says_up_front_that_podman_5_has_no_cni_backend() -> None:
+    page = text("runtimes.md")
+    intro = page[:page.index("\n## ")]
+    assert "**podman 5 has no CNI backend**" in intro
+    err = subprocess.run([sys.executable, "-m", "cni_agent", "shim-config", "--runtime", "podman"],
+                         capture_output=True, text=True, check=True).stderr
+    assert "podman 5 has no CNI backend" in err and "--network ns:/run/netns/NAME" in err
+    assert "/usr/share/doc/cni-agent/docs/runtimes.md" in err
+
+
+def test_the_version_matrix_covers_every_version_and_what_the_tests_run() -> None:
+    page = section(text("runtimes.md"), "Versions")
+    runtimes, plugins = [t for t in tables(page)][:2]
+    rows = {r[0]: r for r in runtimes.rows}
+    assert list(rows) == [
+        "containerd 1.6, 1.7", "containerd 2.0", "containerd 2.1 and later", "CRI-O 1.30",
+        "CRI-O 1.31", "CRI-O 1.32 – 1.35", "CRI-O 1.36.0 – 1.36.2", "CRI-O 1.36.3 – 1.37",
+        "podman 4 (CNI backend)", "podman 5"]
+    assert [r[0] for r in plugins.rows] == ["1.1 – 1.4", "1.5 – 1.9"]
+    tested = dict(zip(runtimes.column("runtime"), runtimes.column("tested here"), strict=True))
+    untested = [name for name, cell in tested.items() if re.match(r"no\b", cell)]
+    # Versions no test here runs say so.
+    assert untested == ["containerd 1.6, 1.7", "containerd 2.0", "CRI-O 1.30", "CRI-O 1.31",
+                        "CRI-O 1.32 – 1.35", "CRI-O 1.36.0 – 1.36.2"], untested
+    # What this machine's tests run is what the table says they run.
+    containerd = subprocess.run(
+        ["/var/cache/cni-agent-tests/containerd/usr/bin/containerd", "--version"],
+        capture_output=True, text=True, check=True).stdout.split()[2]
+    assert containerd.startswith("2.") and int(containerd.split(".")[1]) >= 1
+    assert tested["containerd 2.1 and later"].startswith(containerd.rsplit(".", 1)[0])
+    podman = subprocess.run(["podman", "--version"], capture_output=True, text=True,
+                            check=True).stdout.split()[-1]
+    assert podman.startswith("4.") and podman in tested["podman 4 (CNI backend)"]
+    debian = subprocess.run(["dpkg-query", "-W", "-f=${Version}", "containernetworking-plugins"],
+                            capture_output=True, text=True, check=True).stdout.split("+")[0]
+    assert plugins.rows[0][3].startswith(f"{debian} (Debian 12)")
+    newer = Path("/var/cache/cni-agent-tests/cni-plugins-1.9.1")
+    assert newer.is_dir() and plugins.rows[1][3].startswith("1.9.1")
+    # CRI-O runs only under make test-crio: the table says so.
+    assert "not part of `make test`" in tested["CRI-O 1.36.3 – 1.37"]
