@@ -8,6 +8,7 @@ agent.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -118,13 +119,59 @@ def test_pages_cite_the_tests_that_prove_each_guarantee() -> None:
             assert re.search(r"tests/|make ", proof), f"{page}: {claim!r} names no test"
 
 
-def test_both_packages_install_every_page() -> None:
-    # Next to the README they link to by name; check-rpm-spec holds the RPM's
-    # %doc to the Debian list, test_deb.py the built package to its place.
-    listed = (REPO / "packaging" / "debian" / "cni-agent.docs").read_text().split()
-    assert listed == ["README.md", *(str(p.relative_to(REPO)) for p in pages())]
+def installed_tree() -> dict[str, Path]:
+    """What the packages put under /usr/share/doc/cni-agent/, derived from
+    packaging/debian as tools/check-rpm-spec derives it (which holds the RPM's
+    %files to the same list): installed path -> the tree's file."""
+    spec = importlib.util.spec_from_file_location("check_rpm_spec",
+                                                  REPO / "tools" / "check_rpm_spec.py")
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    files, _dirs, _packages = tool.deb_paths_from_tree()
+    doc_dir = tool.DOC_DIR
+    tree = {}
+    for path in files:
+        if path.startswith(doc_dir):
+            rel = path[len(doc_dir):]
+            source = REPO / rel
+            assert source.is_file(), f"{path}: no {source} in the tree"
+            tree[path] = source
+    return tree
+
+
+def test_both_packages_install_the_docs_as_they_are_in_the_tree() -> None:
+    # README.md, docs/ and examples/ side by side, as here, so relative links
+    # hold; check-rpm-spec holds the RPM's %doc to the Debian lists, and
+    # test_deb.py the built package to its place.
+    debian = REPO / "packaging" / "debian"
+    assert (debian / "cni-agent.docs").read_text().split() == ["README.md", "docs"]
+    assert (debian / "cni-agent.examples").read_text().split() == ["examples/*"]
     spec = (REPO / "packaging" / "rpm" / "cni-agent.spec").read_text()
-    assert re.findall(r"^%doc (\S+)$", spec, re.M) == listed
+    assert re.findall(r"^%doc (\S+)$", spec, re.M) == ["README.md", "docs", "examples"]
+    tree = installed_tree()
+    for page in [README, *pages()]:
+        assert f"/usr/share/doc/cni-agent/{page.relative_to(REPO)}" in tree, page
+
+
+def test_every_relative_link_of_the_installed_docs_resolves_inside_the_package() -> None:
+    tree = installed_tree()
+    installed = set(tree)
+    checked = 0
+    for path, source in sorted(tree.items()):
+        if source.suffix != ".md":
+            continue
+        for target in links(source.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue
+            rel = target.partition("#")[0]
+            if not rel:
+                continue
+            dest = os.path.normpath(os.path.join(os.path.dirname(path), rel))
+            assert dest in installed or any(f.startswith(dest + "/") for f in installed), \
+                f"{path}: link to {target}: {dest} is not in the package"
+            checked += 1
+    assert checked >= 100, checked
 
 
 # --- the D-Bus reference against the XML -------------------------------------------
@@ -481,3 +528,17 @@ def test_the_version_matrix_covers_every_version_and_what_the_tests_run() -> Non
     assert newer.is_dir() and plugins.rows[1][3].startswith("1.9.1")
     # CRI-O runs only under make test-crio: the table says so.
     assert "not part of `make test`" in tested["CRI-O 1.36.3 – 1.37"]
+
+
+def test_the_monitoring_page_probes_what_the_agent_serves_and_no_pod() -> None:
+    """The agent runs as a host service (host netns, /run, the system bus): no
+    page offers it as a pod, and the probes it gives are paths the agent serves."""
+    page = text("monitoring.md")
+    assert "readinessProbe" not in page and "livenessProbe" not in page
+    for doc in [README, *pages()]:
+        for m in re.finditer(r"(\w+ )?as a pod", without_code_blocks(doc.read_text())):
+            assert m.group(1) == "not ", f"{doc.name}: {m.group(0)!r}"
+    served = set(re.findall(r'add_get\("(/\w+)"',
+                            (REPO / "agent" / "cni_agent" / "service" / "httpd.py").read_text()))
+    probed = re.findall(r"curl -fsS http://[\d.]+:\d+(/\w+)", page)
+    assert probed and set(probed) <= served, (probed, served)
