@@ -43,6 +43,8 @@ EXPECTED = [
     "/usr/lib/cni/cni-agent-shim",  # where Debian's runtimes look for plugins
     "/usr/lib/python3/dist-packages/cni_agent/service/daemon.py",
     "/usr/share/man/man8/cni-agent.8.gz",
+    "/usr/share/man/man8/cni-agent-shim.8.gz",
+    "/usr/share/man/man8/cni-sandbox@.service.8.gz",
     "/usr/share/man/man5/cni-agent.yaml.5.gz",
     "/usr/share/man/man5/org.cniagent.Agent1.5.gz",
     "/usr/share/bash-completion/completions/cni-agent",
@@ -102,7 +104,8 @@ def test_files_land_where_the_policy_says(installed: list[str]) -> None:
         assert path in installed, path
         assert Path(path).exists(), path
     # `man cni-agent` finds the installed page (and each other page by name).
-    for page, section in (("cni-agent", "8"), ("cni-agent.yaml", "5"), ("org.cniagent.Agent1", "5")):
+    for page, section in (("cni-agent", "8"), ("cni-agent.yaml", "5"), ("org.cniagent.Agent1", "5"),
+                          ("cni-agent-shim", "8"), ("cni-sandbox@.service", "8")):
         found = _run("man", "-w", section, page)
         assert found.returncode == 0 and found.stdout.startswith("/usr/share/man/"), found
     # No conffile: an upgrade of a node whose admin edited the config never asks.

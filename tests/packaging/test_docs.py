@@ -83,6 +83,7 @@ def test_the_readme_map_lists_every_page_once_and_only_pages_that_exist() -> Non
 
 def documents() -> Iterator[Path]:
     yield README
+    yield REPO / "SECURITY.md"
     yield from pages()
 
 
@@ -145,12 +146,13 @@ def test_both_packages_install_the_docs_as_they_are_in_the_tree() -> None:
     # hold; check-rpm-spec holds the RPM's %doc to the Debian lists, and
     # test_deb.py the built package to its place.
     debian = REPO / "packaging" / "debian"
-    assert (debian / "cni-agent.docs").read_text().split() == ["README.md", "docs"]
+    assert (debian / "cni-agent.docs").read_text().split() == ["README.md", "SECURITY.md", "docs"]
     assert (debian / "cni-agent.examples").read_text().split() == ["examples/*"]
     spec = (REPO / "packaging" / "rpm" / "cni-agent.spec").read_text()
-    assert re.findall(r"^%doc (\S+)$", spec, re.M) == ["README.md", "docs", "examples"]
+    assert re.findall(r"^%doc (\S+)$", spec, re.M) == ["README.md", "SECURITY.md", "docs",
+                                                         "examples"]
     tree = installed_tree()
-    for page in [README, *pages()]:
+    for page in [README, REPO / "SECURITY.md", *pages()]:
         assert f"/usr/share/doc/cni-agent/{page.relative_to(REPO)}" in tree, page
 
 
@@ -542,3 +544,44 @@ def test_the_monitoring_page_probes_what_the_agent_serves_and_no_pod() -> None:
                             (REPO / "agent" / "cni_agent" / "service" / "httpd.py").read_text()))
     probed = re.findall(r"curl -fsS http://[\d.]+:\d+(/\w+)", page)
     assert probed and set(probed) <= served, (probed, served)
+
+
+# --- the compatibility policy quotes the code's figures -------------------------------------
+
+
+def test_the_compatibility_page_quotes_the_codes_figures(tmp_path: Path) -> None:
+    from cni_agent.api import INTERFACE_REVISION
+    from cni_agent.service.callers import invalid
+    from cni_agent.service.shimsock import MAGIC
+
+    page = " ".join(text("compatibility.md").split())
+    assert f"`InterfaceRevision` ({INTERFACE_REVISION} in this release)" in page
+    statuses = section(text("compatibility.md"), "The command line")
+    assert {int(n) for n in re.findall(r"\b(\d+) [a-z]", statuses.split("(")[0])} == \
+        exit_statuses()
+    shim = (REPO / "shim" / "cni-agent-shim.c").read_text()
+    versions = re.findall(r'\\"([\d.]+)\\"', re.search(r"#define SUPPORTED_VERSIONS (.+)",
+                                                       shim).group(1))  # type: ignore[union-attr]
+    assert f"spec versions {versions[0]} to {versions[-1]}" in page
+    assert f'#define SOCKET_MAGIC "{MAGIC.decode()}"' in shim and f"`{MAGIC.decode()}`" in page
+    # An unknown options key and an unknown configuration key are refused by name.
+    assert str(invalid("options", "unknown key 'x'")).startswith("options: unknown key")
+    assert "`InvalidArgument: options: unknown key …`" in page
+    bad = tmp_path / "agent.yaml"
+    bad.write_text("gc: {intervall: 5}\n")
+    check = subprocess.run([sys.executable, "-m", "cni_agent", "config", "check", "--config",
+                            str(bad)], capture_output=True, text=True)
+    assert check.returncode == 2 and "gc.intervall: unknown key" in check.stdout + check.stderr
+    assert "start-up stops (exit status 2)" in page
+
+
+def test_the_xml_says_whose_cnicall_commands_are_whose() -> None:
+    from cni_agent.sandboxes.policy import Scope, cnicall_scope
+
+    raw = XML.read_text()
+    comment = raw[:raw.index('<method name="CNICall">')].rsplit("<!--", 1)[1]
+    comment = " ".join(comment.split())
+    assert "STATUS and VERSION are open to anyone; ADD, DEL, CHECK and GC are root's" in comment
+    assert {c: cnicall_scope(c) for c in ("STATUS", "VERSION", "ADD", "DEL", "CHECK", "GC")} == {
+        "STATUS": Scope.OPEN, "VERSION": Scope.OPEN, "ADD": Scope.RUNTIME, "DEL": Scope.RUNTIME,
+        "CHECK": Scope.RUNTIME, "GC": Scope.RUNTIME}
