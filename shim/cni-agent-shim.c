@@ -236,9 +236,19 @@ static int call_failed(const char *name, const char *message, int r) {
     if (is(name, AGENT_IFACE ".Error.NotReady") || is(name, AGENT_IFACE ".Error.Busy")
         || is(name, AGENT_IFACE ".Error.ShuttingDown"))
         return cni_error(CODE_TRY_AGAIN_LATER, message, "");
-    if (is(name, SD_BUS_ERROR_ACCESS_DENIED) || is(name, AGENT_IFACE ".Error.AccessDenied")) {
-        snprintf(msg, sizeof msg, "access denied by cni-agent: run the runtime as root or as a "
-                                  "member of the cni-agent group (%s)", message);
+    /* The agent's refusal names its reason (a runtime's ADD, DEL, CHECK and
+     * GC are root's); the bus daemon's means the call never reached the
+     * agent: the policy the packages install lets every caller send, so a
+     * local one denied it. */
+    if (is(name, AGENT_IFACE ".Error.AccessDenied")) {
+        snprintf(msg, sizeof msg, "access denied by cni-agent: %s", message);
+        return cni_error(CODE_INTERNAL, msg, "");
+    }
+    if (is(name, SD_BUS_ERROR_ACCESS_DENIED)) {
+        snprintf(msg, sizeof msg, "access denied by the D-Bus daemon's policy, before cni-agent "
+                                  "saw the call (%s): the policy cni-agent installs lets every "
+                                  "caller reach it, so a local policy in /etc/dbus-1/system.d/ "
+                                  "denies it", message);
         return cni_error(CODE_INTERNAL, msg, "");
     }
     /* NoReply comes from the bus: the agent exited, crashed or restarted with

@@ -15,8 +15,8 @@ package is not noarch (it is built for the machine), files under /etc are
 2. %post, %preun and %postun run the systemd scriptlets for cni-agent.service,
    and %post makes the bus reload its policy.
 3. %files lists every file the DEB installs, derived from packaging/debian
-   (cni-agent.install, .dirs, .docs, the unit, sysusers and tmpfiles files dh
-   installs) and pyproject.toml (console scripts, Python packages), or read
+   (cni-agent.install, .dirs, .docs, .examples, the unit, sysusers and
+   tmpfiles files dh installs) and pyproject.toml (console scripts, Python packages), or read
    from a built .deb with --deb FILE. Paths map /lib -> /usr/lib (Fedora is
    usr-merged) and /usr/lib/cni -> /usr/libexec/cni (each distribution's
    plugin directory); the Python package must be in %pyproject_save_files,
@@ -137,11 +137,20 @@ def deb_paths_from_tree() -> tuple[set[str], set[str], set[str]]:
         *sources, dest = words
         for src in sources:
             files.add("/" + "/".join([dest.strip("/"), Path(src).name]))
-    docs_file = DEBIAN / f"{PACKAGE}.docs"
-    if docs_file.exists():
-        for line in docs_file.read_text().splitlines():
-            if line.strip() and not line.startswith("#"):
-                files.add(f"{DOC_DIR}{Path(line.strip()).name}")
+    # dh_installdocs: a file by its name, a directory as it is, in the doc dir;
+    # dh_installexamples: each match of each line into its examples/.
+    for suffix, into in (("docs", ""), ("examples", "examples/")):
+        listed = DEBIAN / f"{PACKAGE}.{suffix}"
+        if not listed.exists():
+            continue
+        for line in listed.read_text().splitlines():
+            if not line.strip() or line.startswith("#"):
+                continue
+            for match in sorted(ROOT.glob(line.strip())):
+                found = sorted(f for f in match.rglob("*") if f.is_file()) \
+                    if match.is_dir() else [match]
+                for f in found:
+                    files.add(f"{DOC_DIR}{into}{f.relative_to(match.parent)}")
     dirs_file = DEBIAN / f"{PACKAGE}.dirs"
     if dirs_file.exists():
         for line in dirs_file.read_text().splitlines():
@@ -223,9 +232,11 @@ def check_parsed(parsed: str, fedora: int, deb: Path | None) -> list[str]:
             continue
         if path.startswith(DOC_DIR):
             doc = path[len(DOC_DIR):].removesuffix(".gz")
-            # %doc docs/x.md installs x.md in the doc dir, as dh_installdocs does.
-            docs = {Path(p).name for p, directives in entries.items() if "doc" in directives}
-            if doc not in docs:
+            # %doc docs/x.md installs x.md in the doc dir, %doc docs the
+            # directory docs/ with everything in it, as dh_installdocs does.
+            docs = [Path(p) for p, directives in entries.items() if "doc" in directives]
+            if not any(doc == d.name or (doc.startswith(f"{d.name}/") and (ROOT / d).is_dir())
+                       for d in docs):
                 problems.append(f"{where}: %files lacks %doc {doc} (the DEB installs {path})")
             continue
         target = rpm_path(path)

@@ -414,7 +414,8 @@ def test_every_agent_error_has_a_meaning(name: str, meaning: str) -> None:
 
 def test_bus_errors_and_no_stutter() -> None:
     denied = error_from_reply("org.freedesktop.DBus.Error.AccessDenied", "Rejected send", "system")
-    assert str(denied).startswith("access denied: Rejected send (the bus policy")
+    assert str(denied).startswith(
+        "access denied: Rejected send (refused by the D-Bus daemon's policy, before cni-agent saw")
     gone = error_from_reply("org.freedesktop.DBus.Error.ServiceUnknown", "whatever", "session")
     assert str(gone) == \
         f"agent not running: nothing owns org.cniagent.Agent1 on the session bus; {START_HINT}"

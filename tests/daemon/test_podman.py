@@ -71,3 +71,36 @@ def test_a_podman_container_gets_its_address_from_the_agent(
     finally:
         podman.close()
         delete_link(bridge)
+
+
+def test_a_podman_container_joins_a_namespace_the_agent_set_up(
+    make_agent: Callable[..., Agent], podman: Podman, tmp_path: Path,
+) -> None:
+    """podman 5's way (it has no CNI backend, docs/runtimes.md): `cni-agent sandbox
+    up NAME`, then `podman run --network ns:/run/netns/NAME`; podman 4 joins the
+    same way, and publishes no ports of its own there."""
+    bridge, name = unique_name("capn"), unique_name("cpns")
+    write_conf(tmp_path / "net.d", "10-podnet.conflist", conflist("podnet", [
+        {"type": "bridge", "bridge": bridge, "isGateway": True, "ipMasq": False,
+         "ipam": {"type": "host-local", "subnet": "10.239.0.0/24",
+                  "dataDir": str(tmp_path / "ipam")}}], "1.0.0"))
+    agent = make_agent()
+    netns = f"/run/netns/{name}"
+    try:
+        cli(agent, "sandbox", "up", name, "--dir", str(tmp_path / "sandboxes"))
+        [address] = addresses(netns)
+        podman("run", "-d", "--name", "web", "--network", f"ns:{netns}",
+               "--rootfs", str(podman.rootfs), "/bin/sleep", "600")
+        inside = podman("exec", "web", "ip", "-4", "-o", "addr", "show", "eth0").stdout
+        assert address.split("/")[0] in inside
+        published = podman("run", "--rm", "-p", "18080:80", "--network", f"ns:{netns}",
+                           "--rootfs", str(podman.rootfs), "/bin/true", check=False)
+        assert published.returncode != 0, published.stdout
+        podman("rm", "--force", "--time", "0", "web")
+        assert addresses(netns) == [address]  # podman leaves the agent's network alone
+        cli(agent, "sandbox", "down", name)
+        assert not os.path.exists(netns) and allocations(tmp_path / "ipam", "podnet") == []
+    finally:
+        subprocess.run([sys.executable, "-m", "cni_agent", "--bus", agent.bus.address, "sandbox",
+                        "down", name], capture_output=True, timeout=30)
+        delete_link(bridge)

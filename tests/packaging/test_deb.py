@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 import signal
 import subprocess
@@ -15,6 +17,7 @@ import yaml
 
 from tests.conftest import machine_wide, unique_name
 from tests.support.agent import REPO, Bus, NotifySocket
+from tests.support.docs import links
 from tests.support.net import addresses, allocations, delete_link
 from tests.support.plugins import wait_for
 from tests.support.shim import run_shim, shim_conf
@@ -40,6 +43,8 @@ EXPECTED = [
     "/usr/lib/cni/cni-agent-shim",  # where Debian's runtimes look for plugins
     "/usr/lib/python3/dist-packages/cni_agent/service/daemon.py",
     "/usr/share/man/man8/cni-agent.8.gz",
+    "/usr/share/man/man8/cni-agent-shim.8.gz",
+    "/usr/share/man/man8/cni-sandbox@.service.8.gz",
     "/usr/share/man/man5/cni-agent.yaml.5.gz",
     "/usr/share/man/man5/org.cniagent.Agent1.5.gz",
     "/usr/share/bash-completion/completions/cni-agent",
@@ -47,10 +52,14 @@ EXPECTED = [
     "/usr/share/polkit-1/rules.d/50-org.cniagent.Agent1.rules",
     "/usr/share/cni-agent/monitoring/cni-agent-alerts.yml",  # the fleet view
     "/usr/share/cni-agent/monitoring/cni-agent-dashboard.json",
-    # Uncompressed: the units' Documentation= names README.md, which links the pages.
+    # Uncompressed: the units' Documentation= names README.md, which links the
+    # pages in docs/, which link examples/ and the man pages' sources.
     "/usr/share/doc/cni-agent/README.md",
-    "/usr/share/doc/cni-agent/troubleshooting.md",
+    "/usr/share/doc/cni-agent/docs/troubleshooting.md",
+    "/usr/share/doc/cni-agent/docs/man/cni-agent.8.rst",
+    "/usr/share/doc/cni-agent/examples/agent/net.d/10-podnet.conflist",
 ]
+DOC_DIR = Path("/usr/share/doc/cni-agent")
 
 
 def _run(*cmd: str, **kw: object) -> subprocess.CompletedProcess[str]:
@@ -95,7 +104,8 @@ def test_files_land_where_the_policy_says(installed: list[str]) -> None:
         assert path in installed, path
         assert Path(path).exists(), path
     # `man cni-agent` finds the installed page (and each other page by name).
-    for page, section in (("cni-agent", "8"), ("cni-agent.yaml", "5"), ("org.cniagent.Agent1", "5")):
+    for page, section in (("cni-agent", "8"), ("cni-agent.yaml", "5"), ("org.cniagent.Agent1", "5"),
+                          ("cni-agent-shim", "8"), ("cni-sandbox@.service", "8")):
         found = _run("man", "-w", section, page)
         assert found.returncode == 0 and found.stdout.startswith("/usr/share/man/"), found
     # No conffile: an upgrade of a node whose admin edited the config never asks.
@@ -108,6 +118,22 @@ def test_files_land_where_the_policy_says(installed: list[str]) -> None:
     assert shown.stdout.splitlines()[0] == "# files read, in order: /usr/lib/cni-agent/agent.yaml"
     assert Path("/var/lib/cni-agent").is_dir()  # tmpfiles.d at install
     assert _run("getent", "group", "cni-agent").returncode == 0  # sysusers.d at install
+
+
+def test_every_relative_link_of_the_installed_docs_resolves_inside_the_package(
+        installed: list[str]) -> None:
+    pages = sorted(DOC_DIR.rglob("*.md"))
+    assert DOC_DIR / "README.md" in pages and DOC_DIR / "docs" / "runtimes.md" in pages
+    checked = 0
+    for page in pages:
+        for target in links(page.read_text()):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue
+            dest = Path(os.path.normpath(page.parent / target.partition("#")[0]))
+            assert dest.exists() and str(dest) in installed, \
+                f"{page}: link to {target}: {dest} is not in the package"
+            checked += 1
+    assert checked >= 100, checked
 
 
 def test_installed_agent_runs_on_debians_python(installed: list[str], tmp_path: Path,

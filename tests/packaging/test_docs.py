@@ -8,6 +8,7 @@ agent.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -82,6 +83,7 @@ def test_the_readme_map_lists_every_page_once_and_only_pages_that_exist() -> Non
 
 def documents() -> Iterator[Path]:
     yield README
+    yield REPO / "SECURITY.md"
     yield from pages()
 
 
@@ -118,13 +120,60 @@ def test_pages_cite_the_tests_that_prove_each_guarantee() -> None:
             assert re.search(r"tests/|make ", proof), f"{page}: {claim!r} names no test"
 
 
-def test_both_packages_install_every_page() -> None:
-    # Next to the README they link to by name; check-rpm-spec holds the RPM's
-    # %doc to the Debian list, test_deb.py the built package to its place.
-    listed = (REPO / "packaging" / "debian" / "cni-agent.docs").read_text().split()
-    assert listed == ["README.md", *(str(p.relative_to(REPO)) for p in pages())]
+def installed_tree() -> dict[str, Path]:
+    """What the packages put under /usr/share/doc/cni-agent/, derived from
+    packaging/debian as tools/check-rpm-spec derives it (which holds the RPM's
+    %files to the same list): installed path -> the tree's file."""
+    spec = importlib.util.spec_from_file_location("check_rpm_spec",
+                                                  REPO / "tools" / "check_rpm_spec.py")
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    files, _dirs, _packages = tool.deb_paths_from_tree()
+    doc_dir = tool.DOC_DIR
+    tree = {}
+    for path in files:
+        if path.startswith(doc_dir):
+            rel = path[len(doc_dir):]
+            source = REPO / rel
+            assert source.is_file(), f"{path}: no {source} in the tree"
+            tree[path] = source
+    return tree
+
+
+def test_both_packages_install_the_docs_as_they_are_in_the_tree() -> None:
+    # README.md, docs/ and examples/ side by side, as here, so relative links
+    # hold; check-rpm-spec holds the RPM's %doc to the Debian lists, and
+    # test_deb.py the built package to its place.
+    debian = REPO / "packaging" / "debian"
+    assert (debian / "cni-agent.docs").read_text().split() == ["README.md", "SECURITY.md", "docs"]
+    assert (debian / "cni-agent.examples").read_text().split() == ["examples/*"]
     spec = (REPO / "packaging" / "rpm" / "cni-agent.spec").read_text()
-    assert re.findall(r"^%doc (\S+)$", spec, re.M) == listed
+    assert re.findall(r"^%doc (\S+)$", spec, re.M) == ["README.md", "SECURITY.md", "docs",
+                                                         "examples"]
+    tree = installed_tree()
+    for page in [README, REPO / "SECURITY.md", *pages()]:
+        assert f"/usr/share/doc/cni-agent/{page.relative_to(REPO)}" in tree, page
+
+
+def test_every_relative_link_of_the_installed_docs_resolves_inside_the_package() -> None:
+    tree = installed_tree()
+    installed = set(tree)
+    checked = 0
+    for path, source in sorted(tree.items()):
+        if source.suffix != ".md":
+            continue
+        for target in links(source.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue
+            rel = target.partition("#")[0]
+            if not rel:
+                continue
+            dest = os.path.normpath(os.path.join(os.path.dirname(path), rel))
+            assert dest in installed or any(f.startswith(dest + "/") for f in installed), \
+                f"{path}: link to {target}: {dest} is not in the package"
+            checked += 1
+    assert checked >= 100, checked
 
 
 # --- the D-Bus reference against the XML -------------------------------------------
@@ -281,7 +330,7 @@ def test_the_message_check_tells_a_real_message_from_a_reworded_one() -> None:
 def test_the_runtimes_page_shows_the_crio_drop_in_shim_config_prints() -> None:
     out = subprocess.run([sys.executable, "-m", "cni_agent", "shim-config", "--runtime", "crio",
                           "--drop-in"], capture_output=True, text=True, check=True).stdout
-    block = re.search(r"```toml\n(.*?)```", text("runtimes.md"), re.S)
+    block = re.search(r"```toml\n(.*?)```", section(text("runtimes.md"), "CRI-O"), re.S)
     assert block is not None and block.group(1) == out
 
 
@@ -353,3 +402,187 @@ def test_the_readmes_first_pod_works_on_a_real_agent(tmp_path: Path) -> None:
         subprocess.run(["ip", "link", "del", names["cni0"]], capture_output=True)
         agent.stop()
         bus.stop()
+
+
+# --- who refused: the bus policy lets every call through, the agent decides ------------------
+
+POLICY = REPO / "dbus" / "org.cniagent.Agent1.conf"
+# What the pages said before the bus policy left every decision to the agent.
+STALE_POLICY_CLAIMS = re.compile(
+    r"allows this only to root and|group `cni-agent` may call the interface|"
+    r"run the runtime as root or as a member", re.I)
+
+
+def test_what_the_pages_say_of_the_bus_policy_is_what_it_allows() -> None:
+    policies = ET.parse(POLICY).getroot().findall("policy")
+    assert [p.attrib for p in policies] == [{"user": "root"}, {"context": "default"}], \
+        "the policy grants a group something: the pages say it grants no one more than another"
+    default = next(p for p in policies if p.get("context") == "default")
+    assert {"send_destination": "org.cniagent.Agent1", "send_interface": "org.cniagent.Agent1"} \
+        in [a.attrib for a in default.findall("allow")], "the default context reaches the interface"
+    row = next(r for t in tables(README.read_text()) if t.header == ("file", "what")
+               for r in t.rows if "org.cniagent.Agent1.conf" in r[0])
+    assert "every caller may reach the interface" in row[1] and "the agent decides" in row[1]
+    sources = [README, *pages(), *sorted((REPO / "docs" / "man").glob("*.rst")),
+               *sorted((REPO / "agent").rglob("*.py")), *sorted((REPO / "shim").glob("*.c"))]
+    stale = [str(p.relative_to(REPO)) for p in sources if STALE_POLICY_CLAIMS.search(p.read_text())]
+    assert not stale, f"still say the bus policy admits only root and the group: {stale}"
+
+
+def deny_locally(tmp_path: Path, *members: str) -> Path:
+    """The shipped policy plus an admin's local rule denying `members` to everyone."""
+    rules = "".join('<deny send_destination="org.cniagent.Agent1" '
+                    f'send_interface="org.cniagent.Agent1" send_member="{m}"/>' for m in members)
+    text = POLICY.read_text().replace(
+        "</busconfig>", f'<policy context="default">{rules}</policy>\n</busconfig>')
+    path = tmp_path / "local-policy.conf"
+    path.write_text(text)
+    path.chmod(0o644)
+    return path
+
+
+def troubleshooting_says(message: str) -> None:
+    """`message` is one of the AccessDenied section's quoted messages, as printed."""
+    quoted = [code_spans(cell)[0] for t in tables(section(text("troubleshooting.md"),
+                                                          "AccessDenied"))
+              for cell in t.column("Message")]
+    assert any(all(part in message for part in fixed_parts(q)) for q in quoted), \
+        f"docs/troubleshooting.md's AccessDenied section quotes nothing like {message!r}"
+
+
+@pytest.mark.root
+def test_an_access_denied_says_what_refused_the_caller(tmp_path: Path, netns: str) -> None:
+    """The agent's refusal names its rule, the bus daemon's says the agent never saw the call;
+    both as docs/troubleshooting.md quotes them, from the CLI and from the shim."""
+    from tests.support.agent import as_user_python
+    from tests.support.shim import readable_shim, run_shim, shim_conf
+
+    shim = readable_shim()
+    for local_rule in (False, True):
+        bus = Bus("system", policy_file=deny_locally(tmp_path, "Setup", "CNICall")
+                  if local_rule else POLICY)
+        agent = Agent(tmp_path / str(local_rule), bus)
+        agent.conf_dir.mkdir(parents=True)
+        try:
+            agent.start()
+            cli = subprocess.run([*as_user_python("nobody"), "--bus", bus.address, "setup", "x",
+                                  netns], capture_output=True, text=True, timeout=60)
+            add = run_shim(bus.address, "ADD", shim_conf("pods"), cid="c", netns=netns,
+                           user="nobody", binary=shim, socket=str(tmp_path / "absent"))
+        finally:
+            agent.stop()
+            bus.stop()
+        assert cli.returncode == 4, cli.stderr
+        assert add.code == 999, add
+        if local_rule:
+            assert "Rejected send message" in cli.stderr and \
+                "refused by the D-Bus daemon's policy, before cni-agent saw the call" in cli.stderr
+            assert add.out["msg"].startswith("access denied by the D-Bus daemon's policy"), add
+        else:
+            assert cli.stderr == ("cni-agent: access denied: Setup requires root or membership "
+                                  "in the cni-agent group (caller uid 65534)\n")
+            assert add.out["msg"] == ("access denied by cni-agent: CNICall is for runtimes "
+                                      "running as root; use Setup or Attach with netns_fd")
+        troubleshooting_says(cli.stderr.strip())
+        troubleshooting_says(add.out["msg"])
+
+
+# --- runtimes: every version a node runs ----------------------------------------------------
+
+
+def test_the_runtimes_page_says_up_front_that_podman_5_has_no_cni_backend() -> None:
+    page = text("runtimes.md")
+    intro = page[:page.index("\n## ")]
+    assert "**podman 5 has no CNI backend**" in intro
+    err = subprocess.run([sys.executable, "-m", "cni_agent", "shim-config", "--runtime", "podman"],
+                         capture_output=True, text=True, check=True).stderr
+    assert "podman 5 has no CNI backend" in err and "--network ns:/run/netns/NAME" in err
+    from cni_agent.cli.shim_config import RUNTIMES_DOC
+    assert RUNTIMES_DOC in err and RUNTIMES_DOC in installed_tree()  # where both packages put it
+
+
+def test_the_version_matrix_covers_every_version_and_what_the_tests_run() -> None:
+    page = section(text("runtimes.md"), "Versions")
+    runtimes, plugins = [t for t in tables(page)][:2]
+    rows = {r[0]: r for r in runtimes.rows}
+    assert list(rows) == [
+        "containerd 1.6, 1.7", "containerd 2.0", "containerd 2.1 and later", "CRI-O 1.30",
+        "CRI-O 1.31", "CRI-O 1.32 – 1.35", "CRI-O 1.36.0 – 1.36.2", "CRI-O 1.36.3 – 1.37",
+        "podman 4 (CNI backend)", "podman 5"]
+    assert [r[0] for r in plugins.rows] == ["1.1 – 1.4", "1.5 – 1.9"]
+    tested = dict(zip(runtimes.column("runtime"), runtimes.column("tested here"), strict=True))
+    untested = [name for name, cell in tested.items() if re.match(r"no\b", cell)]
+    # Versions no test here runs say so.
+    assert untested == ["containerd 1.6, 1.7", "containerd 2.0", "CRI-O 1.30", "CRI-O 1.31",
+                        "CRI-O 1.32 – 1.35", "CRI-O 1.36.0 – 1.36.2"], untested
+    # What this machine's tests run is what the table says they run.
+    containerd = subprocess.run(
+        ["/var/cache/cni-agent-tests/containerd/usr/bin/containerd", "--version"],
+        capture_output=True, text=True, check=True).stdout.split()[2]
+    assert containerd.startswith("2.") and int(containerd.split(".")[1]) >= 1
+    assert tested["containerd 2.1 and later"].startswith(containerd.rsplit(".", 1)[0])
+    podman = subprocess.run(["podman", "--version"], capture_output=True, text=True,
+                            check=True).stdout.split()[-1]
+    assert podman.startswith("4.") and podman in tested["podman 4 (CNI backend)"]
+    debian = subprocess.run(["dpkg-query", "-W", "-f=${Version}", "containernetworking-plugins"],
+                            capture_output=True, text=True, check=True).stdout.split("+")[0]
+    assert plugins.rows[0][3].startswith(f"{debian} (Debian 12)")
+    newer = Path("/var/cache/cni-agent-tests/cni-plugins-1.9.1")
+    assert newer.is_dir() and plugins.rows[1][3].startswith("1.9.1")
+    # CRI-O runs only under make test-crio: the table says so.
+    assert "not part of `make test`" in tested["CRI-O 1.36.3 – 1.37"]
+
+
+def test_the_monitoring_page_probes_what_the_agent_serves_and_no_pod() -> None:
+    """The agent runs as a host service (host netns, /run, the system bus): no
+    page offers it as a pod, and the probes it gives are paths the agent serves."""
+    page = text("monitoring.md")
+    assert "readinessProbe" not in page and "livenessProbe" not in page
+    for doc in [README, *pages()]:
+        for m in re.finditer(r"(\w+ )?as a pod", without_code_blocks(doc.read_text())):
+            assert m.group(1) == "not ", f"{doc.name}: {m.group(0)!r}"
+    served = set(re.findall(r'add_get\("(/\w+)"',
+                            (REPO / "agent" / "cni_agent" / "service" / "httpd.py").read_text()))
+    probed = re.findall(r"curl -fsS http://[\d.]+:\d+(/\w+)", page)
+    assert probed and set(probed) <= served, (probed, served)
+
+
+# --- the compatibility policy quotes the code's figures -------------------------------------
+
+
+def test_the_compatibility_page_quotes_the_codes_figures(tmp_path: Path) -> None:
+    from cni_agent.api import INTERFACE_REVISION
+    from cni_agent.service.callers import invalid
+    from cni_agent.service.shimsock import MAGIC
+
+    page = " ".join(text("compatibility.md").split())
+    assert f"`InterfaceRevision` ({INTERFACE_REVISION} in this release)" in page
+    statuses = section(text("compatibility.md"), "The command line")
+    assert {int(n) for n in re.findall(r"\b(\d+) [a-z]", statuses.split("(")[0])} == \
+        exit_statuses()
+    shim = (REPO / "shim" / "cni-agent-shim.c").read_text()
+    versions = re.findall(r'\\"([\d.]+)\\"', re.search(r"#define SUPPORTED_VERSIONS (.+)",
+                                                       shim).group(1))  # type: ignore[union-attr]
+    assert f"spec versions {versions[0]} to {versions[-1]}" in page
+    assert f'#define SOCKET_MAGIC "{MAGIC.decode()}"' in shim and f"`{MAGIC.decode()}`" in page
+    # An unknown options key and an unknown configuration key are refused by name.
+    assert str(invalid("options", "unknown key 'x'")).startswith("options: unknown key")
+    assert "`InvalidArgument: options: unknown key …`" in page
+    bad = tmp_path / "agent.yaml"
+    bad.write_text("gc: {intervall: 5}\n")
+    check = subprocess.run([sys.executable, "-m", "cni_agent", "config", "check", "--config",
+                            str(bad)], capture_output=True, text=True)
+    assert check.returncode == 2 and "gc.intervall: unknown key" in check.stdout + check.stderr
+    assert "start-up stops (exit status 2)" in page
+
+
+def test_the_xml_says_whose_cnicall_commands_are_whose() -> None:
+    from cni_agent.sandboxes.policy import Scope, cnicall_scope
+
+    raw = XML.read_text()
+    comment = raw[:raw.index('<method name="CNICall">')].rsplit("<!--", 1)[1]
+    comment = " ".join(comment.split())
+    assert "STATUS and VERSION are open to anyone; ADD, DEL, CHECK and GC are root's" in comment
+    assert {c: cnicall_scope(c) for c in ("STATUS", "VERSION", "ADD", "DEL", "CHECK", "GC")} == {
+        "STATUS": Scope.OPEN, "VERSION": Scope.OPEN, "ADD": Scope.RUNTIME, "DEL": Scope.RUNTIME,
+        "CHECK": Scope.RUNTIME, "GC": Scope.RUNTIME}

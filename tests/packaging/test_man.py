@@ -35,7 +35,8 @@ from tests.support.docs import (
 
 REPO = Path(__file__).resolve().parents[2]
 MAN = REPO / "docs" / "man"
-PAGES = ("cni-agent.8", "cni-agent.yaml.5", "org.cniagent.Agent1.5")
+PAGES = ("cni-agent.8", "cni-agent.yaml.5", "org.cniagent.Agent1.5", "cni-agent-shim.8",
+         "cni-sandbox@.service.8")
 
 
 @pytest.fixture(scope="module")
@@ -203,3 +204,54 @@ def test_org_cniagent_agent1_5_and_docs_dbus_api_md_name_the_same_members() -> N
     man_errors = {m for m in re.findall(r"^\*\*(\w+)\*\*$", man, re.M)}
     docs_errors = {code_spans(c)[0] for c in next(tables(section(page, "Errors"))).column("error")}
     assert man_errors == docs_errors == {k.value for k in ErrorKind}
+
+
+# --- the shim's and the sandbox unit's pages say what they do -----------------------------
+
+SHIM_SOURCE = REPO / "shim" / "cni-agent-shim.c"
+SANDBOX_UNIT = REPO / "systemd" / "cni-sandbox@.service"
+
+
+def c_define(name: str) -> str:
+    m = re.search(rf"^#define {name} (.+)$", SHIM_SOURCE.read_text(), re.M)
+    assert m is not None, name
+    return m.group(1)
+
+
+def test_cni_agent_shim_8_says_what_the_shim_does() -> None:
+    text = " ".join(source("cni-agent-shim.8").split())
+    versions = re.findall(r'\\"([\d.]+)\\"', c_define("SUPPORTED_VERSIONS"))
+    assert versions and f"{', '.join(versions[:-1])} and {versions[-1]}" in text
+    assert f"``{c_define('SOCKET_PATH').strip(chr(34))}``" in text
+    assert f"``{c_define('SOCKET_ENV').strip(chr(34))}``" in text
+    assert "``DBUS_SYSTEM_BUS_ADDRESS``" in text
+    assert f"backstop timeout ({c_define('CALL_TIMEOUT_SEC').removesuffix('ULL')} s)" in text
+    # The codes are those docs/runtimes.md gives a runtime's log.
+    runtimes = (DOCS / "runtimes.md").read_text()
+    documented = {int(c) for c in re.findall(r"→ (\d+)", section(runtimes, "Error codes"))}
+    documented |= {int(c) for c in re.findall(r"code (\d+)", section(runtimes, "What each verb does"))}
+    body = source("cni-agent-shim.8").split("EXIT STATUS\n===========", 1)[1].split("FILES\n")[0]
+    assert {int(c) for c in re.findall(r"^\*\*(\d+)\*\*$", body, re.M)} == documented
+
+
+def test_cni_sandbox_service_8_says_what_the_unit_does() -> None:
+    from cni_agent.cli import sandbox
+
+    text = " ".join(source("cni-sandbox@.service.8").split())
+    unit = {k: v for k, _, v in (line.partition("=") for line in
+                                 SANDBOX_UNIT.read_text().splitlines() if "=" in line)}
+    for key in ("ExecStart", "ExecStopPost"):
+        command = unit[key].replace("/usr/bin/", "").replace("%i", "NAME")
+        assert f"``{command}``" in text, (key, command)
+    for key in ("TimeoutStartSec", "TimeoutStopSec"):
+        assert f"``{key}={unit[key]}``" in text, key
+    assert f"``Requires=`` and is ordered ``After=`` ``{unit['Requires']}``" in text
+    assert f"waits up to {sandbox.DEFAULT_TIMEOUT:g} s" in text and "--timeout 60" in unit["ExecStart"]
+    assert f"``{sandbox.SANDBOX_DIR}/NAME.yaml``" in text
+    body = source("cni-sandbox@.service.8").split("SANDBOX FILE\n", 1)[1].split("EXAMPLES\n")[0]
+    assert tuple(re.findall(r"^``(\w+)``$", body, re.M)) == sandbox._KEYS
+    assert "at most 63" in text and sandbox._NAME.pattern.endswith("{0,62}")
+    # Its example file is the one docs/runtimes.md shows (examples/sandboxes/web.yaml).
+    example = (REPO / "examples" / "sandboxes" / "web.yaml").read_text()
+    assert "\n".join("    " + line for line in example.splitlines()) in source(
+        "cni-sandbox@.service.8")

@@ -1,11 +1,16 @@
 """The RPM spec's dependencies are names Fedora has (packaging/rpm/fedora-packages.tsv),
-and every Python dependency of pyproject.toml is required by what Fedora provides."""
+and every Python dependency of pyproject.toml is required by what Fedora provides; the
+built RPM's documentation keeps its links."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 import tomllib
 from pathlib import Path
+
+from tests.support.docs import links
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = ROOT / "packaging" / "rpm" / "cni-agent.spec"
@@ -59,3 +64,35 @@ def test_pyasyncore_only_where_python_lacks_asyncore() -> None:
     block = re.search(r"^%if (.+)\n(?:#.*\n)*Requires:\s*python3dist\(pyasyncore\)\n%endif$", text, re.M)
     assert block, "python3dist(pyasyncore) under its own %if"
     assert block[1] == "0%{?python3_version_nodots} >= 312"
+
+
+def test_every_relative_link_of_the_rpms_docs_resolves_inside_the_package(tmp_path: Path) -> None:
+    """The RPM, built as `make rpm` builds it (from `git archive HEAD`: what is
+    committed), installs README.md, docs/ and examples/ as in the tree, so the
+    links between them hold."""
+    build = subprocess.run([str(ROOT / "tools" / "build-rpm"), "rpm"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "CNI_AGENT_RPM_OUT": str(tmp_path / "out"),
+                                "CNI_AGENT_RPM_WITHOUT_TESTS": "1"})
+    assert build.returncode == 0, build.stderr
+    [rpm] = [line for line in build.stdout.split()
+             if re.search(r"/cni-agent-\d[^/]*\.(x86_64|aarch64)\.rpm$", line)]
+    assert rpm.startswith("/"), rpm  # an out dir outside the tree is printed whole
+    listed = subprocess.run(["rpm", "-qlp", rpm], capture_output=True, text=True,
+                            check=True).stdout.split()
+    root = tmp_path / "root"
+    root.mkdir()
+    subprocess.run(f"rpm2cpio {rpm} | cpio -idm --quiet", shell=True, cwd=root, check=True)
+    doc_dir = root / "usr" / "share" / "doc" / "cni-agent"
+    pages = sorted(doc_dir.rglob("*.md"))
+    assert doc_dir / "README.md" in pages and doc_dir / "docs" / "runtimes.md" in pages
+    checked = 0
+    for page in pages:
+        for target in links(page.read_text()):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue
+            dest = Path(os.path.normpath(page.parent / target.partition("#")[0]))
+            assert "/" + str(dest.relative_to(root)) in listed, \
+                f"{page.relative_to(root)}: link to {target} is not in the package"
+            checked += 1
+    assert checked >= 100, checked

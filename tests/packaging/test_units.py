@@ -468,7 +468,9 @@ def test_debian_directory_refers_to_existing_files() -> None:
     assert "build/cni-agent-shim usr/lib/cni/" in (DEBIAN / "cni-agent.install").read_text()
     assert "$(MAKE) -C shim OUT=$(CURDIR)/build/cni-agent-shim" in (DEBIAN / "rules").read_text()
     for line in (DEBIAN / "cni-agent.docs").read_text().splitlines():
-        assert (ROOT / line.strip()).is_file(), line
+        assert (ROOT / line.strip()).exists(), line
+    for line in (DEBIAN / "cni-agent.examples").read_text().splitlines():
+        assert list(ROOT.glob(line.strip())), line
     assert os.access(DEBIAN / "rules", os.X_OK)
     assert (DEBIAN / "source" / "format").read_text().strip() == "3.0 (native)"
     control = (DEBIAN / "control").read_text()

@@ -36,6 +36,16 @@ DEFAULT_SYSTEM_BUS = "unix:path=/var/run/dbus/system_bus_socket"
 START_HINT = ("start it with `systemctl start cni-agent`, "
               "or `cni-agent run` / `make run` for development")
 
+# The bus daemon's own AccessDenied: the call never reached the agent. The
+# policy the packages install (dbus/org.cniagent.Agent1.conf) lets every
+# caller send to the interface and leaves every decision to the agent, whose
+# own refusals are org.cniagent.Agent1.Error.AccessDenied with the reason.
+BUS_POLICY_REFUSED = (
+    "refused by the D-Bus daemon's policy, before cni-agent saw the call: the policy cni-agent "
+    "installs lets every caller reach the interface and the agent decides, so a local policy "
+    "in /etc/dbus-1/system.d/ (or an older org.cniagent.Agent1.conf the bus still has loaded) "
+    "denies it")
+
 QUICK_CALL_TIMEOUT = 30.0  # property reads, Show, ListSandboxes
 WAIT_CHUNK = 20.0  # one WaitReady call waits at most this long; longer waits loop
 CALL_MARGIN = 15.0  # extra client-side patience on top of the agent's own wait
@@ -116,7 +126,7 @@ def error_from_reply(name: str, text: str, bus: str) -> ClientError:
             "agent not running",
             f"nothing owns {BUS_NAME} on {describe_bus(bus)}; {START_HINT}", name)
     if name == DBUS_ERROR + "AccessDenied":
-        text = f"{text} (the bus policy allows this only to root and the cni-agent group)"
+        text = f"{text} ({BUS_POLICY_REFUSED})"
     meaning = MEANINGS.get(name)
     if meaning is None:  # an error this client does not know: show its name
         meaning = name.removeprefix(ERROR_PREFIX).removeprefix(DBUS_ERROR) or "D-Bus error"

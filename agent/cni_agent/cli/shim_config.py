@@ -30,6 +30,8 @@ DEFAULT_VERSION = "1.0.0"
 # libcni >= 1.2 sends STATUS (and GC) only to a list of this version or newer.
 STATUS_VERSION = "1.1.0"
 CRIO_DROP_IN = "/etc/crio/crio.conf.d/10-cni-agent.conf"
+# Where both packages install docs/runtimes.md.
+RUNTIMES_DOC = "/usr/share/doc/cni-agent/docs/runtimes.md"
 
 # What CRI-O's CRI NetworkReady does, per version (read from its source:
 # internal/config/cnimgr). It reports its own last STATUS poll, never a fresh
@@ -54,7 +56,7 @@ class Runtime:
     config: str  # the runtime's config file and the key that points at conf_dir
     plugin_dir: str  # where the runtime looks for the shim
     picks: str  # which file of the conf dir the runtime uses
-    readiness: tuple[str, ...] = ()  # what its NetworkReady does with the agent
+    readiness: tuple[str, ...] = ()  # what its NetworkReady does with the agent, other versions
 
     def comments(self, name: str, cni_version: str) -> list[str]:
         chosen = f"({self.why})" if cni_version == self.cni_version else "(from --cni-version)"
@@ -77,8 +79,12 @@ RUNTIMES = {
         "its NetworkReady then follows the agent",
         "/etc/containerd/config.toml, [plugins.'io.containerd.cri.v1.runtime'.cni] "
         "conf_dir = \"/etc/cni/net.d\"",
-        "add its directory to bin_dirs in that table (default [\"/opt/cni/bin\"])",
-        "the pods' network is the first file there in name order"),
+        "add its directory to bin_dirs in that table (default [\"/opt/cni/bin\"]); containerd "
+        "2.0 reads bin_dir, one directory (a string)",
+        "the pods' network is the first file there in name order",
+        ("containerd 1.6 and 1.7: --cni-version 1.0.0, and [plugins.\"io.containerd.grpc.v1.cri\""
+         ".cni] bin_dir and conf_dir (config version 2); their NetworkReady never asks the agent",
+         f"every version's snippet: {RUNTIMES_DOC}")),
     "crio": Runtime(
         "CRI-O", STATUS_VERSION,
         "CRI-O >= 1.32 sends STATUS and GC only to >= 1.1.0 lists; 1.30 and older reject "
@@ -94,7 +100,10 @@ RUNTIMES = {
         "/etc/containers/containers.conf, [network] network_backend = \"cni\", "
         "network_config_dir = \"/etc/cni/net.d\"; then podman run --network NAME",
         "[network] cni_plugin_dirs (Debian and Fedora list both directories)",
-        "podman uses it by its name"),
+        "podman uses it by its name",
+        ("podman 5 has no CNI backend and never reads this file: there, set a namespace up with "
+         "`cni-agent sandbox up NAME` and run the container with --network ns:/run/netns/NAME",
+         f"see {RUNTIMES_DOC}")),
 }
 
 CRIO_DROP_IN_TEXT = f"""\
