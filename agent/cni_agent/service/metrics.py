@@ -58,6 +58,10 @@ _SHIM_CODES = (CODE_INCOMPATIBLE_VERSION, CODE_UNKNOWN_CONTAINER, CODE_INVALID_E
                CODE_DECODE_FAILURE, CODE_INVALID_CONFIG, CODE_TRY_AGAIN_LATER, CODE_NOT_AVAILABLE,
                CODE_INTERNAL)
 _STATE_ERROR = str(ErrorKind.STATE_ERROR)
+# Answers about a plugin's run, not the agent's own: its CNI error passed on,
+# or its run failing (a timeout, an exec error: code 999 with the agent's
+# words). cni_agent_plugin_executions_total counts those, and alerts on them.
+_PLUGINS = frozenset({PLUGIN, str(ErrorKind.PLUGIN_FAILED), str(ErrorKind.TIMEOUT)})
 
 
 def plugin_result(e: BaseException | None) -> str:
@@ -147,7 +151,8 @@ class Metrics:
         self.shim_errors = hot.counts(
             "cni_agent_shim_errors",
             "CNI errors the agent itself answered through cni-agent-shim, by CNI code (a "
-            "plugin's own error, passed on, is counted in cni_agent_plugin_executions_total)",
+            "plugin's failure, its code passed on or its run timed out or broken, is counted "
+            "in cni_agent_plugin_executions_total instead)",
             ("code",))
         for code in _SHIM_CODES:
             self.shim_errors.touch((str(code),))
@@ -209,7 +214,7 @@ class Metrics:
     def shim_call(self, command: str, answer: Answer, seconds: float | None = None) -> None:
         code = answer.code
         self.shim_calls.inc((command, "ok" if code == 0 else f"code_{code}"))
-        if code and answer.kind != PLUGIN:
+        if code and answer.kind not in _PLUGINS:
             self.shim_errors.inc((str(code),))
         if answer.kind == _STATE_ERROR:
             self.state_errors.inc(())
