@@ -69,6 +69,15 @@ class HealthServer:
             await self._runner.cleanup()
             raise ListenError(f"http.listen {self.listen}: {e.strerror or e}") from None
         log.info("serving /healthz, /readyz and /metrics on %s (%s)", self.listen, _what(self._web))
+        self._warn_if_clear(self._web)
+
+    def _warn_if_clear(self, config: WebConfig) -> None:
+        """Passwords in the clear, where someone else could read them."""
+        where = parse_listen(self.listen)
+        if config.users and config.tls is None and not isinstance(where, str) \
+                and where[0] not in ("127.0.0.1", "::1", "localhost"):
+            log.warning("http.web_config has basic_auth_users but no tls_server_config: "
+                        "passwords cross the network to %s in the clear", self.listen)
 
     async def _listen(self, config: WebConfig) -> asyncio.AbstractServer:
         where = parse_listen(self.listen)
@@ -91,6 +100,7 @@ class HealthServer:
         old = self._web
         self._web = config
         self._auth = BasicAuth(config.users) if config.users else None
+        self._warn_if_clear(config)
         if self._listener is not None and config.tls_fingerprint == old.tls_fingerprint \
                 and (config.tls is None) == (old.tls is None):
             log.info("http.web_config: %s", _what(config))
