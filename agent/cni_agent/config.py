@@ -120,6 +120,9 @@ class CheckConfig:
 class HTTPConfig:
     # "" (off), HOST:PORT or unix:/PATH: /healthz, /readyz and /metrics.
     listen: str = ""
+    # "" (none) or the path of a file in the Prometheus exporter-toolkit's
+    # web-config format: TLS and basic auth for `listen` (webconfig.py reads it).
+    web_config: str = ""
 
 
 def parse_port_range(text: str) -> tuple[int, int]:
@@ -276,6 +279,11 @@ def _listen(source: str, key: str, value: Any) -> str:
     return text
 
 
+def _optional_path(source: str, key: str, value: Any) -> str:
+    text = _string(source, key, value)
+    return _path(source, key, text) if text else text
+
+
 def _port_range(source: str, key: str, value: Any) -> str:
     # A single port is a YAML number as often as a string: both are taken.
     text = str(value) if isinstance(value, int) and not isinstance(value, bool) else value
@@ -368,7 +376,7 @@ _SECTIONS: dict[str, tuple[type[Any], Mapping[str, _Check]]] = {
     "gc": (GCConfig, {"networks": _str_list, "interval": _duration}),
     "check": (CheckConfig, {"interval": _duration, "repair": _bool,
                             "repair_new_address": _bool, "concurrency": _positive_int}),
-    "http": (HTTPConfig, {"listen": _listen}),
+    "http": (HTTPConfig, {"listen": _listen, "web_config": _optional_path}),
 }
 
 

@@ -214,3 +214,49 @@ def test_shim_calls_are_counted_by_command_and_result(http_agent: tuple[Agent, P
     assert got[("cni_agent_shim_calls_total", (("command", "STATUS"), ("result", "ok")))] == 1
     assert got[("cni_agent_shim_calls_total", (("command", "STATUS"), ("result", "code_50")))] == 1
     assert got[("cni_agent_shim_calls_total", (("command", "ADD"), ("result", "code_4")))] == 1
+    # The agent's own codes, each there from the start (an alert's increase()
+    # sees the first one); a plugin's own code, passed on, is not among them.
+    own = {dict(labels)["code"]: v for (name, labels), v in got.items()
+           if name == "cni_agent_shim_errors_total"}
+    assert own == {"1": 0, "3": 0, "4": 1, "6": 0, "7": 0, "11": 0, "50": 1, "999": 0}
+    assert got[("cni_agent_state_errors_total", ())] == 0
+
+
+def test_a_plugins_code_through_the_shim_is_not_the_agents(
+    http_agent: tuple[Agent, Path], control: Control, netns: str
+) -> None:
+    agent, sock = http_agent
+    control.set("ADD", "fail", code=7, msg="bad subnet")
+    assert run_shim(agent.bus.address, "ADD", shim_conf("pods", "testnet"), cid="p1",
+                    netns=netns).code == 7
+    got = samples(sock)
+    assert got[("cni_agent_shim_calls_total", (("command", "ADD"), ("result", "code_7")))] == 1
+    assert got[("cni_agent_shim_errors_total", (("code", "7"),))] == 0
+
+
+REASONS = ("not_checked", "no_network", "default_not_found", "default_invalid", "status_failed",
+           "shutting_down", "internal_error")
+
+
+def reasons(sock: Path) -> dict[str, float]:
+    return {dict(labels)["reason"]: v for (name, labels), v in samples(sock).items()
+            if name == "cni_agent_not_ready_reason"}
+
+
+def test_not_ready_reason_names_why(http_agent: tuple[Agent, Path], control: Control,
+                                    testnet: Callable[..., Path]) -> None:
+    """cni_agent_not_ready_reason: every reason always there, 1 for the current
+    one (none when ready), following LastError."""
+    agent, sock = http_agent
+    assert reasons(sock) == dict.fromkeys(REASONS, 0)
+    control.set("STATUS", "fail", code=50, msg="the daemon is down")
+    until(lambda: reasons(sock)["status_failed"] == 1)
+    assert reasons(sock) == {**dict.fromkeys(REASONS, 0), "status_failed": 1}
+    assert "the daemon is down" in agent.prop("LastError")
+    control.clear("STATUS")
+    until(lambda: agent.prop("NetworkReady") is True)
+    assert reasons(sock) == dict.fromkeys(REASONS, 0)
+    testnet().unlink()  # no network at all
+    until(lambda: reasons(sock)["no_network"] == 1)
+    assert sum(reasons(sock).values()) == 1
+    assert "no valid CNI network configuration" in agent.prop("LastError")

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.daemon.test_http import samples
 from tests.support.agent import Agent
 from tests.support.net import addresses, allocations, link_exists, netns_name
 from tests.support.plugins import Control, wait_for
@@ -254,3 +255,25 @@ def test_a_failed_setup_leaves_lo_as_it_found_it(
     control.clear("ADD")
     agent.setup("web", down)
     assert lo_up(down)
+
+
+def test_state_errors_are_counted_on_both_faces(
+    state_tmpfs: Path, make_agent: Callable[..., Agent], bridge_chain: str,
+    netns_factory: Callable[[], str], tmp_path: Path,
+) -> None:
+    """cni_agent_state_errors_total counts a D-Bus StateError and the shim's
+    code 11 that stands for one (CNIAgentStateErrors reads it); the shim's is
+    cni_agent_shim_errors_total{code="11"} too."""
+    sock = tmp_path / "metrics.sock"
+    agent = start(make_agent, http={"listen": f"unix:{sock}"})
+    assert samples(sock)[("cni_agent_state_errors_total", ())] == 0
+    fill(state_tmpfs)
+    out = agent.gdbus("Setup", "web", netns_factory(), "{}")
+    assert out.returncode != 0 and ERR + "StateError" in out.stderr, out.stderr
+    shim = run_shim(agent.bus.address, "ADD", shim_conf("pods", "pods"), cid="ctr",
+                    netns=netns_factory())
+    assert shim.code == 11 and "agent state error" in shim.out["msg"], shim
+    got = samples(sock)
+    assert got[("cni_agent_state_errors_total", ())] == 2
+    assert got[("cni_agent_shim_errors_total", (("code", "11"),))] == 1
+    assert got[("cni_agent_operations_total", (("method", "Setup"), ("result", "StateError")))] == 1

@@ -5,6 +5,7 @@ agent: tests/daemon/test_fleet_view.py.)"""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -12,7 +13,9 @@ from typing import Any
 
 import yaml
 
+from cni_agent.readiness.reasons import REASONS
 from tests.support.agent import REPO
+from tests.support.docs import anchors, section
 from tests.support.promql import selectors
 
 PROMTOOL = shutil.which("promtool") or "/var/cache/cni-agent-tests/promtool/promtool"
@@ -20,6 +23,11 @@ MONITORING = REPO / "packaging" / "monitoring"
 RULES = MONITORING / "cni-agent-alerts.yml"
 DASHBOARD = MONITORING / "cni-agent-dashboard.json"
 UNIT_TESTS = Path(__file__).parent / "cni-agent-alerts.test.yml"
+TROUBLESHOOTING = REPO / "docs" / "troubleshooting.md"
+# Each runbook_url: the operator's base (an external label) or the package's
+# copy of docs/, then the page and the rule's section.
+RUNBOOK = re.compile(r'\{\{ or \$externalLabels\.cni_agent_docs_url "(?P<default>[^"]+)" \}\}'
+                     r"/troubleshooting\.md#(?P<anchor>[a-z0-9-]+)")
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess[str]:
@@ -52,6 +60,41 @@ def test_every_alert_is_unit_tested_firing_and_quiet_and_says_what_to_do() -> No
         assert any(not c.get("exp_alerts") for c in mine), f"{name}: no unit test where it is quiet"
         assert rule["labels"]["severity"] in ("warning", "critical"), name
         assert rule["annotations"]["summary"] and rule["annotations"]["description"], name
+
+
+def test_every_rule_has_a_runbook_whose_section_exists() -> None:
+    """The anchors as GitHub and GitLab make them from the headings (the test of
+    the docs' own links uses the same slugs)."""
+    sections = anchors(TROUBLESHOOTING.read_text())
+    for rule in rules():
+        url = rule["annotations"].get("runbook_url", "")
+        m = RUNBOOK.fullmatch(url)
+        assert m, f"{rule['alert']}: runbook_url {url!r} is not the base + troubleshooting.md#SECTION"
+        assert m["anchor"] in sections, f"{rule['alert']}: no section #{m['anchor']} in troubleshooting.md"
+        assert m["default"] == "file:///usr/share/doc/cni-agent", rule["alert"]
+
+
+def test_the_default_runbook_base_is_where_the_packages_put_the_page() -> None:
+    """Without the external label the runbook is the installed copy: both
+    packages install docs/troubleshooting.md flat in /usr/share/doc/cni-agent/."""
+    debian = (REPO / "packaging" / "debian" / "cni-agent.docs").read_text().split()
+    assert "docs/troubleshooting.md" in debian  # dh_installdocs: by its base name
+    spec = (REPO / "packaging" / "rpm" / "cni-agent.spec").read_text()
+    assert re.search(r"^%doc docs/troubleshooting\.md$", spec, re.M)  # likewise
+
+
+def test_the_unit_tests_render_the_runbook_under_an_operators_base() -> None:
+    groups = yaml.safe_load(UNIT_TESTS.read_text())["tests"]
+    assert any("cni_agent_docs_url" in g.get("external_labels", {}) for g in groups)
+
+
+def test_every_not_ready_reason_is_explained_where_the_alert_sends_you() -> None:
+    page = section(TROUBLESHOOTING.read_text(), "NetworkReady is false")
+    for reason in REASONS:
+        assert f"**{reason}**" in page, reason
+    described = next(r for r in rules() if r["alert"] == "CNIAgentNetworkNotReady")
+    for reason in REASONS:
+        assert reason in described["annotations"]["description"], reason
 
 
 def test_the_selector_finder_reads_what_promql_reads() -> None:

@@ -296,6 +296,7 @@ def test_the_troubleshooting_page_covers_each_symptom() -> None:
     for symptom in ("NetworkReady is false", "A pod without an address",
                     "An IP that stays allocated", "Drift reported", "AccessDenied", "Busy",
                     "StateError", "The shim's CNI codes in a runtime's log",
+                    "NetworkReady flaps", "The agent keeps restarting", "A node without an agent",
                     "The agent is not running"):
         assert re.search(rf"^## {re.escape(symptom)}$", page, re.M), symptom
     for word in ("cni-agent status", "cni-agent show", "cni-agent check", "cni-agent state",

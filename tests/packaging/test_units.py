@@ -56,7 +56,8 @@ CONTRACT_DEFAULTS = {
                "unprotected_networks": []},  # issue 44: anti-spoofing
     "gc": {"networks": []},  # added by this project: the GC verb only where declared
     "check": {"interval": 300, "repair": False, "concurrency": 4},  # issue 26: drift
-    "http": {"listen": ""},  # added by this project (issue 16): metrics and probes, off
+    # added by this project (issue 16): metrics and probes, off; web_config (issue 46): TLS and auth, none
+    "http": {"listen": "", "web_config": ""},
     "antispoof": "members",  # issue 44: members' bridge attachments filtered
     "bus": "system",
     "log_level": "info",

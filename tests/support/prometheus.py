@@ -32,15 +32,17 @@ def free_port() -> int:
 class Prometheus:
     """Scrapes `targets` as job "cni-agent" every second and evaluates `rules` every second."""
 
-    def __init__(self, tmp: Path, targets: list[str], rules: list[Path]) -> None:
+    def __init__(self, tmp: Path, targets: list[str], rules: list[Path],
+                 scrape_configs: list[dict[str, Any]] | None = None) -> None:
+        """`scrape_configs`: instead of the plain job "cni-agent" of `targets`."""
         self.dir = tmp / "prometheus"
         self.dir.mkdir()
         config = self.dir / "prometheus.yml"
         config.write_text(yaml.safe_dump({
             "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
             "rule_files": [str(r) for r in rules],
-            "scrape_configs": [{"job_name": "cni-agent",
-                                "static_configs": [{"targets": targets}]}],
+            "scrape_configs": scrape_configs or [{"job_name": "cni-agent",
+                                                  "static_configs": [{"targets": targets}]}],
         }))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"

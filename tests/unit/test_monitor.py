@@ -74,6 +74,7 @@ async def test_ready_at_start(env: Env) -> None:
     assert await m.wait_ready(5)
     assert m.state.status == "Network ready: default network alpha (1 network)"
     assert m.state.default_network == "alpha" and m.state.last_error == ""
+    assert m.state.reason == ""
     assert env.control.commands().count("STATUS") >= 1
 
 
@@ -81,6 +82,7 @@ async def test_uninitialized_is_not_ready(env: Env) -> None:
     env.write("10-a.conflist", "alpha")
     m = Monitor(env.runtime, str(env.conf_dir))
     assert not m.ready and m.state.status.startswith("Starting")
+    assert m.state.reason == "not_checked"
 
 
 async def test_never_ready_reports_plugin_code_and_message(env: Env) -> None:
@@ -91,6 +93,7 @@ async def test_never_ready_reports_plugin_code_and_message(env: Env) -> None:
     assert m.state.last_error == (
         "network alpha: plugin testplug STATUS failed (code 50): daemon not running")
     assert m.state.status == "Network not ready: " + m.state.last_error
+    assert m.state.reason == "status_failed"
     assert env.gc_runs == 0
 
 
@@ -99,6 +102,7 @@ async def test_becomes_ready_when_config_is_written_late(env: Env) -> None:
     assert not await m.wait_ready(0.1)
     assert "no valid CNI network configuration" in m.state.last_error
     assert "Has your network provider started?" in m.state.last_error
+    assert m.state.reason == "no_network"
     env.write("10-a.conflist", "alpha")
     assert await m.wait_ready(2)
 
@@ -378,3 +382,20 @@ async def test_wait_decided_returns_with_the_first_verdict_or_its_bound(env: Env
     await m.wait_decided(10)
     assert m.unready_reason() == "" and m.ready
     await m.wait_decided(10)  # decided: at once
+
+
+async def test_each_reason_for_not_ready_has_its_name(env: Env) -> None:
+    """The reason names (readiness/reasons.py) follow LastError's words: a
+    pinned default with no file, with a refused file, and shutdown."""
+    env.write("10-a.conflist", "alpha")
+    m = await env.start(default_network="beta")
+    await until(lambda: "default network beta not found" in m.state.last_error)
+    assert m.state.reason == "default_not_found"
+    write_conf(env.conf_dir, "20-b.conflist", conflist("beta", [{"type": "nosuchplugin"}]))
+    await until(lambda: "default network beta is invalid" in m.state.last_error)
+    assert m.state.reason == "default_invalid"
+    env.write("20-b.conflist", "beta")
+    assert await m.wait_ready(5)
+    assert m.state.reason == ""
+    m.begin_shutdown()
+    assert m.state.reason == "shutting_down"

@@ -24,6 +24,12 @@ from cni_agent.cni.config import InvalidNetwork, NetworkConfigList
 from cni_agent.cni.runtime import CNIRuntime
 from cni_agent.node.watch import DirWatcher
 from cni_agent.readiness.polls import Polls
+from cni_agent.readiness.reasons import (
+    INTERNAL_ERROR,
+    NOT_CHECKED,
+    SHUTTING_DOWN,
+    STATUS_FAILED,
+)
 from cni_agent.readiness.scan import Scan, read_disk
 
 log = logging.getLogger(__name__)
@@ -41,10 +47,15 @@ class NetworkState:
     invalid: tuple[InvalidNetwork, ...] = ()
     # STATUS failures of networks other than the default (informational).
     network_errors: tuple[tuple[str, str], ...] = field(default=())
+    # Why not ready, as one of reasons.REASONS ("" when ready): last_error's
+    # words vary, this does not (a metric's label).
+    reason: str = ""
 
 
-STARTING = NetworkState(False, "Starting: network not checked yet", last_error="not checked yet")
-STOPPED = NetworkState(False, "Stopping: network not ready (shutting down)", last_error="shutting down")
+STARTING = NetworkState(False, "Starting: network not checked yet", last_error="not checked yet",
+                        reason=NOT_CHECKED)
+STOPPED = NetworkState(False, "Stopping: network not ready (shutting down)", last_error="shutting down",
+                       reason=SHUTTING_DOWN)
 
 
 @dataclass(frozen=True)
@@ -54,6 +65,7 @@ class _Verdict:
     default: str
     healthy: bool
     error: str
+    reason: str = ""
 
 
 class Monitor:
@@ -309,11 +321,13 @@ class Monitor:
         if scan is None:
             return
         error, status_failure, held = scan.error, False, False
+        reason = scan.reason
         default = scan.default.name if scan.default is not None else ""
         poll = self._polls.get(default) if default else None
         if poll is not None and poll.checked:
             if poll.failure is not None:
                 error, status_failure = f"network {default}: {poll.failure}", True
+                reason = STATUS_FAILED
         elif default:  # its STATUS has not answered yet
             if self._verdict is None:
                 return  # the first verdict waits for the default's first answer
@@ -322,11 +336,11 @@ class Monitor:
                 held = True
             else:
                 # Another network became the default: the old one's verdict is void.
-                error = f"network {default}: not checked yet"
+                error, reason = f"network {default}: not checked yet", NOT_CHECKED
         now = self._clock()
         if held:
             assert self._verdict is not None
-            healthy, error = self._verdict.healthy, self._verdict.error
+            healthy, error, reason = self._verdict.healthy, self._verdict.error, self._verdict.reason
         elif not error:
             self._failing_since = None
             healthy = True
@@ -341,7 +355,7 @@ class Monitor:
         else:
             self._failing_since = None
             healthy = False
-        self._verdict = _Verdict(default, healthy, "" if healthy else error)
+        self._verdict = _Verdict(default, healthy, "" if healthy else error, "" if healthy else reason)
         others = []
         for net in scan.networks:
             p = self._polls.get(net.name)
@@ -359,13 +373,14 @@ class Monitor:
                                         if why not in error)])
             state = NetworkState(
                 False, f"Network not ready: {error}", default, names, error, scan.invalid,
-                tuple(others),
+                tuple(others), reason,
             )
         self._set_health(healthy, state)
 
     def _apply_error(self, error: str) -> None:
-        self._verdict = _Verdict("", False, error)
-        state = NetworkState(False, f"Network not ready: {error}", "", self.state.networks, error)
+        self._verdict = _Verdict("", False, error, INTERNAL_ERROR)
+        state = NetworkState(False, f"Network not ready: {error}", "", self.state.networks, error,
+                             reason=INTERNAL_ERROR)
         self._set_health(False, state)
 
     def _set_health(self, healthy: bool, state: NetworkState) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from cni_agent.cni.config import InvalidNetwork, NetworkConfigList, load_dir
 from cni_agent.cni.errors import ConfigError
 from cni_agent.cni.runtime import CNIRuntime
+from cni_agent.readiness.reasons import DEFAULT_INVALID, DEFAULT_NOT_FOUND, NO_NETWORK
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class Scan:
     default: NetworkConfigList | None
     error: str  # why there is no usable default; "" when there is one
     refused_dirs: tuple[tuple[str, str], ...] = ()  # plugin dirs left out of CNI_PATH, and why
+    reason: str = ""  # `error` as one of the monitor's REASONS ("" when there is a default)
 
 
 async def read_disk(runtime: CNIRuntime, conf_dir: str, pinned: str,
@@ -40,34 +42,35 @@ async def read_disk(runtime: CNIRuntime, conf_dir: str, pinned: str,
             invalid.append(InvalidNetwork(e.source, e.reason, net.name))
         else:
             valid.append(net)
-    default, error = choose_default(valid, invalid, conf_dir, pinned, fallback)
+    default, error, reason = choose_default(valid, invalid, conf_dir, pinned, fallback)
     if default is not None and default not in valid:
         valid.append(default)  # the fallback
-    return Scan(tuple(valid), tuple(invalid), default, error, refused)
+    return Scan(tuple(valid), tuple(invalid), default, error, refused, reason)
 
 
 def choose_default(
     valid: list[NetworkConfigList], invalid: list[InvalidNetwork], conf_dir: str, pinned: str,
     fallback: NetworkConfigList | None,
-) -> tuple[NetworkConfigList | None, str]:
+) -> tuple[NetworkConfigList | None, str, str]:
     """The default network (pinned by name, else the first valid one, else the
-    fallback), or None and why there is none."""
+    fallback), or None, why there is none, and that as a reason code."""
     if pinned:
         for net in valid:
             if net.name == pinned:
-                return net, ""
+                return net, "", ""
         for bad in invalid:
             if bad.name == pinned:
-                return None, f"default network {pinned} is invalid: {bad.source}: {bad.reason}"
+                return (None, f"default network {pinned} is invalid: {bad.source}: {bad.reason}",
+                        DEFAULT_INVALID)
         return None, (
             f'default network {pinned} not found: expected a file in {conf_dir} '
             f'with "name": "{pinned}"'
-        )
+        ), DEFAULT_NOT_FOUND
     if valid:
-        return valid[0], ""
+        return valid[0], "", ""
     if fallback is not None:
-        return fallback, ""
+        return fallback, "", ""
     why = f"no valid CNI network configuration in {conf_dir}"
     if invalid:
         why += f" ({invalid[0].source}: {invalid[0].reason})"
-    return None, why + ". Has your network provider started?"
+    return None, why + ". Has your network provider started?", NO_NETWORK

@@ -53,11 +53,20 @@ _ENV_FIELDS = {"sandbox_id": "CNI_CONTAINERID", "netns": "CNI_NETNS", "ifname": 
                "args": "CNI_ARGS"}
 
 
+# Answer.kind of a failure that is not the agent's own: a plugin's CNI error,
+# passed on as it was (cni_agent_plugin_executions_total counts those).
+PLUGIN = "plugin"
+
+
 @dataclass(frozen=True)
 class Answer:
     exit_status: int
     output: str
     code: int = 0  # the CNI error code of a failure (for metrics and logs)
+    # Of a failure: PLUGIN, or the agent's error name (ErrorKind: StateError,
+    # NotReady, ...; InvalidArgument for a request refused as a plugin refuses
+    # it). Code 11 alone does not tell a full disk from a busy sandbox.
+    kind: str = ""
 
 
 class Refusal(Exception):
@@ -88,11 +97,12 @@ def command_of(env: Mapping[str, str]) -> str:
     return env.get("CNI_COMMAND", "")
 
 
-def error_answer(code: int, msg: str, details: str = "", version: str = "1.1.0") -> Answer:
+def error_answer(code: int, msg: str, details: str = "", version: str = "1.1.0",
+                 kind: str = str(ErrorKind.INVALID_ARGUMENT)) -> Answer:
     doc: dict[str, Any] = {"cniVersion": version, "code": code, "msg": msg}
     if details:
         doc["details"] = details
-    return Answer(1, json.dumps(doc), code)
+    return Answer(1, json.dumps(doc), code, kind)
 
 
 def version_answer(version: str = "1.1.0") -> Answer:
@@ -217,7 +227,7 @@ def failure_answer(call: ShimCall, e: BaseException) -> Answer:
     inner = _plugin_error(e)
     if inner is not None:
         return error_answer(inner.code, inner.msg,
-                            inner.details or f"from plugin {inner.plugin} ({inner.verb})", v)
+                            inner.details or f"from plugin {inner.plugin} ({inner.verb})", v, PLUGIN)
     err = classify(e)
     bad = _invalid_argument(e)
     if bad is not None:
@@ -231,24 +241,24 @@ def failure_answer(call: ShimCall, e: BaseException) -> Answer:
     # repeat is harmless): the runtime's retry is the right answer.
     if err.kind in (ErrorKind.NOT_READY, ErrorKind.BUSY, ErrorKind.SHUTTING_DOWN,
                     ErrorKind.STATE_ERROR):
-        return error_answer(CODE_TRY_AGAIN_LATER, err.message, version=v)
+        return error_answer(CODE_TRY_AGAIN_LATER, err.message, version=v, kind=err.kind)
     if err.kind is ErrorKind.NOT_FOUND:
         code = CODE_UNKNOWN_CONTAINER if call.command == "CHECK" else CODE_INVALID_CONFIG
-        return error_answer(code, err.message, version=v)
+        return error_answer(code, err.message, version=v, kind=err.kind)
     if err.kind is ErrorKind.INVALID_ARGUMENT:
         return error_answer(CODE_INVALID_CONFIG, err.message, version=v)
-    return error_answer(CODE_INTERNAL, err.message, version=v)
+    return error_answer(CODE_INTERNAL, err.message, version=v, kind=err.kind)
 
 
 class ShimCalls:
     """Serves `CNICall`: one method for every verb of the shim."""
 
     def __init__(self, attachments: Attachments, monitor: Monitor,
-                 on_call: Callable[[str, int, float], None] = lambda command, code, seconds: None,
+                 on_call: Callable[[str, Answer, float], None] = lambda command, answer, seconds: None,
                  first_verdict: float = 10.0) -> None:
         self.attachments = attachments
         self.monitor = monitor
-        self._on_call = on_call  # (command, 0 or the CNI error code, seconds): metrics
+        self._on_call = on_call  # (command, the answer, seconds): metrics
         # How long a STATUS at start-up waits for the first verdict (timeouts.status:
         # the default network's first STATUS is due by then).
         self._first_verdict = first_verdict
@@ -265,8 +275,7 @@ class ShimCalls:
             except (AgentError, CNIError) as e:
                 answer = failure_answer(call, e)
         command = command_of(env)
-        self._on_call(command if command in COMMANDS else "invalid", answer.code,
-                      time.monotonic() - start)
+        self._on_call(command if command in COMMANDS else "invalid", answer, time.monotonic() - start)
         return answer
 
     async def _run(self, call: ShimCall) -> Answer:
@@ -280,13 +289,15 @@ class ShimCalls:
             reason = self.monitor.unready_reason(
                 call.network, serving=self.attachments.accepting)
             if reason:
-                return error_answer(CODE_NOT_AVAILABLE, reason, version=call.cni_version)
+                return error_answer(CODE_NOT_AVAILABLE, reason, version=call.cni_version,
+                                    kind=str(ErrorKind.NOT_READY))
             return Answer(0, "")
         if call.command == "GC":
             errors = await self.attachments.collect(call.origin, call.valid)
             if errors:
                 return error_answer(CODE_INTERNAL, f"GC finished with {len(errors)} error(s)",
-                                    "; ".join(errors[:5]), call.cni_version)
+                                    "; ".join(errors[:5]), call.cni_version,
+                                    str(ErrorKind.PLUGIN_FAILED))
             return Answer(0, "")
         if call.command == "DEL":
             await self.attachments.detach(call.container_id, call.netns, call.network,

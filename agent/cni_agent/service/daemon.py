@@ -41,6 +41,7 @@ from cni_agent.service.polkit import Polkit
 from cni_agent.service.reconfig import merge
 from cni_agent.service.shimsock import SOCKET_NAME, ShimSocket
 from cni_agent.service.wiring import build_core, instance_of, policy_of
+from cni_agent.webconfig import WebConfig, read_web_config
 
 if TYPE_CHECKING:
     from cni_agent.service.httpd import HealthServer
@@ -97,8 +98,11 @@ def _prepare_dirs(cfg: AgentConfig) -> None:
 
 
 class Daemon:
-    def __init__(self, cfg: AgentConfig, config_path: str | None = None, bus: str | None = None) -> None:
+    def __init__(self, cfg: AgentConfig, config_path: str | None = None, bus: str | None = None,
+                 web_config: WebConfig | None = None) -> None:
         self.cfg = cfg
+        self.web_config = web_config
+        self.http: HealthServer | None = None
         # What a reload re-reads: the same files (`--config` or the layers), the same --bus.
         self._config_path = config_path
         self._bus_override = bus
@@ -154,6 +158,8 @@ class Daemon:
         error = ""
         try:
             cfg = await asyncio.to_thread(load_config, self._config_path)
+            # Read before anything changes: a bad web config keeps all as it is.
+            web = await asyncio.to_thread(read_web_config, cfg)
         except ConfigFileError as e:
             error = f"{e}; the configuration in use is kept"
             log.error("reload: %s", error)
@@ -161,6 +167,11 @@ class Daemon:
             if self._bus_override:
                 cfg = cfg.replace(bus=self._bus_override)
             self.cfg = merge(self.cfg, cfg, self._apply)
+            # Re-read at every reload even when the key did not change: the
+            # usual change is a renewed certificate in the same file.
+            self.web_config = web
+            if self.http is not None:
+                await self.http.reconfigure(web or WebConfig(""))
         state = await self.monitor.reload()
         self.notifier.ready(state.status)
         if error:
@@ -267,22 +278,22 @@ class Daemon:
             await self.shimsock.close()
 
     async def _serve_http(self, loop: asyncio.AbstractEventLoop, bus: MessageBus) -> int:
-        http: HealthServer | None = None
         if self.cfg.http.listen:
             # Imported only when configured: aiohttp is a third of an idle agent's memory.
             from cni_agent.service.httpd import HealthServer, ListenError
 
             http = HealthServer(self.cfg.http.listen, self.monitor, self.core.metrics,
-                                self.core.journal.store, lambda: bus.connected)
+                                self.core.journal.store, lambda: bus.connected, self.web_config)
             try:
                 await http.start()
             except ListenError as e:
                 raise StartupError(str(e)) from None
+            self.http = http
         try:
             return await self._serve_named(loop, bus)
         finally:
-            if http is not None:
-                await http.stop()
+            if self.http is not None:
+                await self.http.stop()
 
     async def _serve_named(self, loop: asyncio.AbstractEventLoop, bus: MessageBus) -> int:
         """Serve, the bus name being ours (and the HTTP face up, if configured), until stopped."""
@@ -382,6 +393,7 @@ def run(config_path: str | None, bus: str | None) -> int:
         config_path = os.path.abspath(config_path)  # re-read on reload, after chdir("/")
     try:
         cfg = load_config(config_path)
+        web = read_web_config(cfg)
     except ConfigFileError as e:
         print(f"cni-agent: {e}", file=sys.stderr)
         return 2  # a usage error, as the CLI's
@@ -393,7 +405,7 @@ def run(config_path: str | None, bus: str | None) -> int:
         # timers) was the largest single cost left per call; its loop cost 5-9 %
         # less agent CPU per call than asyncio's, A/B on this path (bench.ab).
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            return runner.run(Daemon(cfg, config_path, bus).run())
+            return runner.run(Daemon(cfg, config_path, bus, web).run())
     except StartupError as e:
         print(f"cni-agent: {e}", file=sys.stderr)
         return e.exit_status

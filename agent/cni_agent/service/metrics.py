@@ -25,10 +25,24 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import Metric
 
-from cni_agent.cni.errors import ExecError, PluginError, PluginTimeout
+from cni_agent.api import ErrorKind
+from cni_agent.cni.errors import (
+    CODE_DECODE_FAILURE,
+    CODE_INCOMPATIBLE_VERSION,
+    CODE_INVALID_CONFIG,
+    CODE_INVALID_ENV,
+    CODE_NOT_AVAILABLE,
+    CODE_TRY_AGAIN_LATER,
+    CODE_UNKNOWN_CONTAINER,
+    ExecError,
+    PluginError,
+    PluginTimeout,
+)
 from cni_agent.cni.exec import Executor, Invocation
 from cni_agent.readiness.monitor import Monitor, NetworkState
+from cni_agent.readiness.reasons import REASONS
 from cni_agent.sandboxes.checks import Outcome
+from cni_agent.service.cnicall import CODE_INTERNAL, PLUGIN, Answer
 
 # Plugin runs take from 1 ms (no-op) to minutes (dhcp, a remote IPAM).
 _PLUGIN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -38,6 +52,16 @@ _LOCK_BUCKETS = (0.001, 0.01, 0.1, 0.5, 1, 5, 10, 30, 60)
 _OPERATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10,
                       30, 60, 120, 300)
 _M = TypeVar("_M", bound=MetricWrapperBase)
+# The CNI codes the agent itself answers through the shim (cnicall.py), each
+# counted from 0 so an alert's increase() sees the first one.
+_SHIM_CODES = (CODE_INCOMPATIBLE_VERSION, CODE_UNKNOWN_CONTAINER, CODE_INVALID_ENV,
+               CODE_DECODE_FAILURE, CODE_INVALID_CONFIG, CODE_TRY_AGAIN_LATER, CODE_NOT_AVAILABLE,
+               CODE_INTERNAL)
+_STATE_ERROR = str(ErrorKind.STATE_ERROR)
+# Answers about a plugin's run, not the agent's own: its CNI error passed on,
+# or its run failing (a timeout, an exec error: code 999 with the agent's
+# words). cni_agent_plugin_executions_total counts those, and alerts on them.
+_PLUGINS = frozenset({PLUGIN, str(ErrorKind.PLUGIN_FAILED), str(ErrorKind.TIMEOUT)})
 
 
 def plugin_result(e: BaseException | None) -> str:
@@ -124,6 +148,26 @@ class Metrics:
             "cni_agent_shim_call_duration_seconds",
             "Wall time of one CNI call forwarded by cni-agent-shim, by command",
             ("command",), _OPERATION_BUCKETS)
+        self.shim_errors = hot.counts(
+            "cni_agent_shim_errors",
+            "CNI errors the agent itself answered through cni-agent-shim, by CNI code (a "
+            "plugin's failure, its code passed on or its run timed out or broken, is counted "
+            "in cni_agent_plugin_executions_total instead)",
+            ("code",))
+        for code in _SHIM_CODES:
+            self.shim_errors.touch((str(code),))
+        self.state_errors = hot.counts(
+            "cni_agent_state_errors",
+            "Calls answered StateError (the agent's own disk refused: full, read-only, "
+            "unreadable), on D-Bus and through cni-agent-shim (code 11 there)", ())
+        self.state_errors.touch(())
+        # One series per reason, always there: 1 for the current one, 0 for the
+        # others (all 0 when ready), as a state set is exported: `== 1` selects
+        # it, and the others are at 0 for an alert's changes() or absent().
+        self.not_ready_reason = Gauge(
+            "cni_agent_not_ready_reason",
+            "Why NetworkReady is false: 1 for the current reason, 0 for the others (all 0 "
+            "when ready)", ("reason",), registry=r)
         # The agent's own CPU, memory and descriptors (process_*), as the
         # default registry would have them.
         ProcessCollector(registry=r)
@@ -162,11 +206,18 @@ class Metrics:
 
     def operation(self, method: str, result: str, seconds: float | None = None) -> None:
         self.operations.inc((method, result))
+        if result == _STATE_ERROR:
+            self.state_errors.inc(())
         if seconds is not None:
             self.operation_seconds.observe((method,), seconds)
 
-    def shim_call(self, command: str, code: int, seconds: float | None = None) -> None:
+    def shim_call(self, command: str, answer: Answer, seconds: float | None = None) -> None:
+        code = answer.code
         self.shim_calls.inc((command, "ok" if code == 0 else f"code_{code}"))
+        if code and answer.kind not in _PLUGINS:
+            self.shim_errors.inc((str(code),))
+        if answer.kind == _STATE_ERROR:
+            self.state_errors.inc(())
         if seconds is not None:
             self.shim_seconds.observe((command,), seconds)
 
@@ -213,6 +264,8 @@ class Metrics:
             self.network_ready.labels(name).set(1 if ok else 0)
             self._child(self.drift, name)  # at 0 until its first drift
         self.invalid.set(len(state.invalid))
+        for reason in REASONS:
+            self._child(self.not_ready_reason, reason).set(1 if reason == state.reason else 0)
         self.sandboxes.set(sandboxes)
         self.tearing_down.set(tearing_down)
         self.lost.set(lost)

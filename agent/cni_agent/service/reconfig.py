@@ -2,13 +2,14 @@
 
 The ones that only steer what happens next do (the default network, the
 monitor's timing, who may call, the log level, the drain, the pod CIDRs
-given to the next ADDs); the others name
+given to the next ADDs, the HTTP face's TLS and users); the others name
 resources already in use (directories, the bus, the HTTP listener, the
 runtime's deadlines) and wait for a restart, which the log says.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 
@@ -16,7 +17,13 @@ from cni_agent.config import AgentConfig, config_keys
 
 log = logging.getLogger(__name__)
 
-LIVE = ("default_network", "monitor", "access", "log_level", "shutdown_drain", "pod_cidrs")
+LIVE = ("default_network", "monitor", "access", "log_level", "shutdown_drain", "pod_cidrs",
+        # Only the key of its section: the listener's address stays until a restart.
+        "http.web_config")
+
+
+def _live(key: str) -> bool:
+    return key in LIVE or key.partition(".")[0] in LIVE
 
 
 def changed_keys(old: AgentConfig, new: AgentConfig) -> list[str]:
@@ -30,9 +37,16 @@ def merge(old: AgentConfig, new: AgentConfig,
     `apply` puts the live keys into the running parts; the rest are logged.
     """
     changed = changed_keys(old, new)
-    later = [k for k in changed if k.partition(".")[0] not in LIVE]
-    effective = old.replace(**{k: getattr(new, k) for k in LIVE},
-                            sources=new.sources, origins=new.origins)
+    later = [k for k in changed if not _live(k)]
+    sections: dict[str, dict[str, object]] = {}
+    for key in LIVE:
+        section, _, sub = key.partition(".")
+        if sub:
+            sections.setdefault(section, {})[sub] = getattr(getattr(new, section), sub)
+    effective = old.replace(
+        **{k: getattr(new, k) for k in LIVE if "." not in k},
+        **{s: dataclasses.replace(getattr(old, s), **subs) for s, subs in sections.items()},
+        sources=new.sources, origins=new.origins)
     apply(effective)
     for key in changed:
         if key not in later:
