@@ -213,7 +213,7 @@ def test_dashboard_queries_and_alert_rules_work_on_a_live_agent(
                if a["labels"]["alertname"] == "CNIAgentNetworkNotReady"]
     assert "(reason: status_failed)" in alert["annotations"]["description"], alert
     assert alert["annotations"]["runbook_url"] == \
-        "file:///usr/share/doc/cni-agent/troubleshooting.md#networkready-is-false"
+        "file:///usr/share/doc/cni-agent/docs/troubleshooting.md#networkready-is-false"
     prom.wait("cni_agent_network_ready == 0")
     time.sleep(1.5)  # one more evaluation
     assert "CNIAgentNetworkStatusFailing" not in prom.active_alerts()

@@ -71,16 +71,17 @@ def test_every_rule_has_a_runbook_whose_section_exists() -> None:
         m = RUNBOOK.fullmatch(url)
         assert m, f"{rule['alert']}: runbook_url {url!r} is not the base + troubleshooting.md#SECTION"
         assert m["anchor"] in sections, f"{rule['alert']}: no section #{m['anchor']} in troubleshooting.md"
-        assert m["default"] == "file:///usr/share/doc/cni-agent", rule["alert"]
+        assert m["default"] == "file:///usr/share/doc/cni-agent/docs", rule["alert"]
 
 
 def test_the_default_runbook_base_is_where_the_packages_put_the_page() -> None:
     """Without the external label the runbook is the installed copy: both
-    packages install docs/troubleshooting.md flat in /usr/share/doc/cni-agent/."""
+    packages install docs/ as it is in the tree, /usr/share/doc/cni-agent/docs/."""
     debian = (REPO / "packaging" / "debian" / "cni-agent.docs").read_text().split()
-    assert "docs/troubleshooting.md" in debian  # dh_installdocs: by its base name
+    assert "docs" in debian  # dh_installdocs: the directory, kept whole
     spec = (REPO / "packaging" / "rpm" / "cni-agent.spec").read_text()
-    assert re.search(r"^%doc docs/troubleshooting\.md$", spec, re.M)  # likewise
+    assert re.search(r"^%doc docs$", spec, re.M)  # likewise
+    assert (REPO / "docs" / "troubleshooting.md").is_file()
 
 
 def test_the_unit_tests_render_the_runbook_under_an_operators_base() -> None:
