@@ -40,7 +40,7 @@ from cni_agent.readiness.podcidrs import PodCIDRs
 from cni_agent.sandboxes.admission import Admission
 from cni_agent.sandboxes.capacity import STRANGER_MAX_AGE, Capacities
 from cni_agent.sandboxes.checks import Checks
-from cni_agent.sandboxes.errors import classified, classify
+from cni_agent.sandboxes.errors import Hinted, classified, classify
 from cni_agent.sandboxes.gc import Reaper
 from cni_agent.sandboxes.journal import Journal, Removal, is_recorded
 from cni_agent.sandboxes.order import Kind, Ticket
@@ -649,15 +649,14 @@ def rollback_error(e: BaseException, undo: Removal, hint: str = "") -> AgentErro
     """A failed ADD's error, after its rollback; says so when the rollback failed
     too, and adds `hint` (the network's pool is full) when there is one."""
     err = classify(e)
-    if hint:
-        err = AgentError(err.kind, f"{err.message} (hint: {hint})")
+    message = err.message
     if undo.errors:
-        return AgentError(err.kind, f"{err.message} (cleanup failed, retried at the next "
-                                    f"GC: {undo.errors[0]})")
-    if undo.unrecorded:
-        return AgentError(err.kind, f"{err.message} (rolled back; {undo.unrecorded}: the "
-                                    "next reaping pass finishes it)")
-    return err
+        message += f" (cleanup failed, retried at the next GC: {undo.errors[0]})"
+    elif undo.unrecorded:
+        message += f" (rolled back; {undo.unrecorded}: the next reaping pass finishes it)"
+    elif not hint:
+        return err
+    return Hinted(err.kind, message, hint) if hint else AgentError(err.kind, message)
 
 
 def unrecorded_error(what: str, removal: Removal) -> AgentError:
