@@ -101,6 +101,11 @@ def test_dashboard_queries_and_alert_rules_work_on_a_live_agent(
     testnet()  # the default network
     other = Control(tmp_path / "other-control.json")  # a second network, faulted on its own
     testnet("other", filename="60-other.conflist", plugins=[plug(other)])
+    # A network with a host-local pool the agent counts (the test plugin never
+    # leases from it): the ipam series the capacity alert reads exist.
+    testnet("pool", filename="65-pool.conflist", plugins=[plug(
+        Control(tmp_path / "pool-control.json"),
+        ipam={"type": "host-local", "subnet": "10.147.40.0/29", "dataDir": str(tmp_path)})])
     port = free_port()
     agent = make_agent(http={"listen": f"127.0.0.1:{port}"},
                        check={"interval": 1, "repair": True}, gc={"interval": 1},

@@ -374,6 +374,14 @@ class AgentClient:
         [ids] = await self._call("ListSandboxes")
         return [str(i) for i in ids]
 
+    async def network_capacity(self, network: str) -> dict[str, Any]:
+        """NetworkCapacity's document for `network` ("" = the default network)."""
+        [text] = await self._call("NetworkCapacity", "s", [network])
+        doc = json.loads(text)
+        if not isinstance(doc, dict):
+            raise ClientError("unexpected reply", f"NetworkCapacity answered {text[:80]!r}")
+        return doc
+
     # --- changes ------------------------------------------------------------------------
 
     async def setup(self, sandbox_id: str, netns: str, options: SetupOptions) -> SandboxResult:

@@ -24,6 +24,10 @@ JSON output (stable; new keys may be added, none removed or renamed):
   `{"sandbox": ID, "state": STATE, "attachments": [{"network": NAME, "ifname": IF,
   "result": CNI_RESULT}]}`, each CNI result in its network's cniVersion.
 - `list --json`: `{"sandboxes": [ID, ...]}`, sorted.
+- `networks --json`: `{"networks": [DOC, ...]}`, one NetworkCapacity
+  document per valid network, in load order: `{"network", "capacity":
+  "known" | "none" | "unknown", "ipam": [TYPE], "reason"}`, and for
+  "known" `"size"`, `"used"`, `"free"` and `"range_sets"` (docs/dbus-api.md).
 - `pod-cidrs --json`: `{"pod_cidrs": [str], "source": "config" | "saved"}` (the
   PodCIDRs and PodCIDRsSource properties; source "" from an agent too old to say).
 """
@@ -65,6 +69,7 @@ from cni_agent.cli.output import (
     format_attachments,
     format_change,
     format_checks,
+    format_networks,
     format_pod_cidrs,
     format_status,
 )
@@ -202,6 +207,13 @@ async def _list(client: AgentClient, args: argparse.Namespace, colour: bool) -> 
         print(dumps({"sandboxes": ids}))
     elif ids:
         print("\n".join(ids))
+    return EXIT_OK
+
+
+async def _networks(client: AgentClient, args: argparse.Namespace, colour: bool) -> int:
+    st = await client.status()
+    docs = [await client.network_capacity(name) for name in st.networks]
+    print(dumps({"networks": docs}) if args.json else format_networks(docs))
     return EXIT_OK
 
 
@@ -464,6 +476,17 @@ def build_parser() -> argparse.ArgumentParser:
     _command(sub, "list", "list the sandboxes that have cached attachments", """
         Print the ID of every sandbox with cached attachments, one per line, sorted.""",
         "  $ cni-agent list | xargs -n1 cni-agent show", _list, '{"sandboxes": [ID, ...]}')
+    _command(sub, "networks", "list the networks with their address capacity", """
+        Print each valid network's address pool, one line per range: its IPAM, the range,
+        how many addresses it has, how many are leased and how many are free
+        (NetworkCapacity). Known only where the agent can read the IPAM's own state
+        (host-local: its ranges and its data dir); "none" for a network without a pool
+        (static IPAM, no IPAM); "unknown" for any other IPAM (dhcp, whereabouts, a
+        vendor's) or a host-local that takes its ranges with each call (ipRanges), with
+        the reason: never a guess.""",
+        "  $ cni-agent networks\n  NETWORK  IPAM        RANGE         SIZE  USED  FREE\n"
+        "  pods     host-local  10.22.0.0/24   253    12   241", _networks,
+        '{"networks": [NetworkCapacity\'s document of each network]}')
     p = _command(sub, "pod-cidrs", "show, set or reset the node's pod CIDRs", """
         Print the node's pod CIDRs (given to plugins as the ipRanges capability when a call
         gives none) and where they come from: the configuration's pod_cidrs, or a value

@@ -101,6 +101,34 @@ def format_attachments(result: SandboxResult) -> str:
     return text
 
 
+def format_networks(docs: Sequence[Mapping[str, Any]]) -> str:
+    """One aligned line per range of each network (NetworkCapacity's documents):
+    network, IPAM, range, size, used, free; a network whose capacity is none or
+    unknown on one line, with the reason."""
+    table = [("NETWORK", "IPAM", "RANGE", "SIZE", "USED", "FREE")]
+    notes: dict[int, str] = {}
+    for doc in docs:
+        name, ipam = str(doc.get("network", "")), ",".join(doc.get("ipam") or ()) or "-"
+        if doc.get("capacity") != "known":
+            notes[len(table)] = f"{doc.get('capacity', 'unknown')}: {doc.get('reason', '')}"
+            table.append((name, ipam, "", "", "", ""))
+            continue
+        for rs in doc.get("range_sets", ()):
+            for r in rs.get("ranges", ()):
+                table.append((name, ipam, str(r["range"]), str(r["size"]), str(r["used"]),
+                              str(r["free"])))
+    widths = [max(len(row[i]) for row in table) for i in range(6)]
+    lines = []
+    for i, row in enumerate(table):
+        if i in notes:
+            lines.append(f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {notes[i]}")
+            continue
+        cells = [f"{c:<{w}}" if j < 3 else f"{c:>{w}}"
+                 for j, (c, w) in enumerate(zip(row, widths, strict=True))]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
 def format_checks(rows: Sequence[Mapping[str, Any]]) -> str:
     """One aligned line per attachment: sandbox, network, ifname, state, last CHECK, why."""
     table = [("SANDBOX", "NETWORK", "IFNAME", "CHECK", "LAST CHECK", "REASON")]

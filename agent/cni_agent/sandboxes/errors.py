@@ -24,6 +24,15 @@ from cni_agent.node.locks import LockTimeout
 from cni_agent.sandboxes.spoofguard import AntispoofFailed
 
 
+class Hinted(AgentError):
+    """An error whose message ends with a hint the agent knows (a failed ADD on
+    a full pool): `hint` alone, for the shim's CNI error `details`."""
+
+    def __init__(self, kind: ErrorKind, message: str, hint: str) -> None:
+        super().__init__(kind, f"{message} (hint: {hint})")
+        self.hint = hint
+
+
 def classify(exc: BaseException) -> AgentError:
     """The agent error for any exception the core can raise."""
     if isinstance(exc, AgentError):

@@ -30,7 +30,7 @@ from cni_agent.cni.args import (
 )
 from cni_agent.cni.cache import CachedAttachment
 from cni_agent.cni.config import NetworkConfigList
-from cni_agent.cni.errors import CNIError, InvalidArgument, NoCachedResult
+from cni_agent.cni.errors import CNIError, InvalidArgument, NoCachedResult, PluginError
 from cni_agent.cni.logctx import log_fields
 from cni_agent.node.blocking import UNANSWERED
 from cni_agent.node.locks import SandboxLocks
@@ -38,8 +38,9 @@ from cni_agent.node.netns import NetnsError, NetnsId, Pinned
 from cni_agent.readiness.monitor import Monitor
 from cni_agent.readiness.podcidrs import PodCIDRs
 from cni_agent.sandboxes.admission import Admission
+from cni_agent.sandboxes.capacity import STRANGER_MAX_AGE, Capacities
 from cni_agent.sandboxes.checks import Checks
-from cni_agent.sandboxes.errors import classified, classify
+from cni_agent.sandboxes.errors import Hinted, classified, classify
 from cni_agent.sandboxes.gc import Reaper
 from cni_agent.sandboxes.journal import Journal, Removal, is_recorded
 from cni_agent.sandboxes.order import Kind, Ticket
@@ -135,6 +136,8 @@ class SandboxManager:
         self.pod_cidrs = pod_cidrs
         self.timeouts = timeouts or Timeouts()
         self.order = reaper.order  # one order per sandbox, reaping included
+        # Networks' address capacity, read only when asked (and after a failed ADD).
+        self.capacity = Capacities()
         # Set by the daemon's shutdown: False once the drain period is over.
         self.accepting = True
         self.draining = False
@@ -215,6 +218,18 @@ class SandboxManager:
             raise AgentError(ErrorKind.NOT_FOUND,
                              f"network {req.network} not found (valid networks: {known})")
         return net
+
+    async def network_capacity(self, network: str, caller: Caller = ROOT) -> dict[str, Any]:
+        """NetworkCapacity: the address capacity of `network` ("" = the default):
+        read now (shared with a read under way) for root and members; for any
+        other caller, possibly a reading up to STRANGER_MAX_AGE old, so that
+        strangers together cost at most one read per network and second."""
+        with classified():
+            if network:
+                validate_network_name(network)
+            net = self.resolve(NetworkRequest(network))
+            self.capacity.forget({n.name for n in self.monitor.networks()})
+            return await self.capacity.of(net, 0.0 if caller.privileged else STRANGER_MAX_AGE)
 
     # --- Setup --------------------------------------------------------------------
 
@@ -397,7 +412,10 @@ class SandboxManager:
                                                      unstarted=ifnames[i + 1:])
                     if lo:  # this call brought lo up: the namespace as it found it
                         await self.journal.loopback_down(rec.sandbox_id, ns)
-                    raise rollback_error(e, undo) from e
+                    # The plugin's own failure on a pool the agent knows is full:
+                    # say so (read now, after the rollback; nothing on success).
+                    hint = await self.capacity.full(net) if isinstance(e, PluginError) else ""
+                    raise rollback_error(e, undo, hint) from e
             return results
 
     # --- Teardown -------------------------------------------------------------------
@@ -627,16 +645,18 @@ def _single(new: Sequence[Attachment]) -> dict[str, str]:
     return {"NETWORK": new[0].network, "IFNAME": new[0].ifname} if len(new) == 1 else {}
 
 
-def rollback_error(e: BaseException, undo: Removal) -> AgentError:
-    """A failed ADD's error, after its rollback; says so when the rollback failed too."""
+def rollback_error(e: BaseException, undo: Removal, hint: str = "") -> AgentError:
+    """A failed ADD's error, after its rollback; says so when the rollback failed
+    too, and adds `hint` (the network's pool is full) when there is one."""
     err = classify(e)
+    message = err.message
     if undo.errors:
-        return AgentError(err.kind, f"{err.message} (cleanup failed, retried at the next "
-                                    f"GC: {undo.errors[0]})")
-    if undo.unrecorded:
-        return AgentError(err.kind, f"{err.message} (rolled back; {undo.unrecorded}: the "
-                                    "next reaping pass finishes it)")
-    return err
+        message += f" (cleanup failed, retried at the next GC: {undo.errors[0]})"
+    elif undo.unrecorded:
+        message += f" (rolled back; {undo.unrecorded}: the next reaping pass finishes it)"
+    elif not hint:
+        return err
+    return Hinted(err.kind, message, hint) if hint else AgentError(err.kind, message)
 
 
 def unrecorded_error(what: str, removal: Removal) -> AgentError:

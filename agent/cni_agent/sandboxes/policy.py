@@ -29,7 +29,8 @@ CVE-2026-39402); this module is stricter than both:
   hostIP, protocol and port, normalized before any comparison);
 - node-wide state (Reload, pod CIDRs) is root's (or polkit's `configure`,
   which the package's rule never grants to the group);
-- anyone may read: properties, WaitReady, the shim's STATUS and VERSION.
+- anyone may read: properties, WaitReady, NetworkCapacity (how full each
+  pool is: counts, never whose), the shim's STATUS and VERSION.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ METHODS: Mapping[str, Scope] = {
     "Detach": Scope.MANAGE, "GarbageCollect": Scope.MANAGE, "CheckSandboxes": Scope.MANAGE,
     "Check": Scope.INSPECT, "Show": Scope.INSPECT, "ListSandboxes": Scope.INSPECT,
     "Reload": Scope.NODE, "SetPodCIDRs": Scope.NODE, "ResetPodCIDRs": Scope.NODE,
-    "WaitReady": Scope.OPEN,
+    "WaitReady": Scope.OPEN, "NetworkCapacity": Scope.OPEN,
 }
 READ_ONLY_COMMANDS = frozenset({"STATUS", "VERSION"})
 

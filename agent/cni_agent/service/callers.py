@@ -44,7 +44,7 @@ UNPRIVILEGED_MAX_REPLY = 64 * 1024
 
 # Calls that only read: a runtime or a monitor polling them says nothing about
 # work to come, so they never hold a drain up (CNICall STATUS and VERSION too).
-READS = frozenset({"WaitReady", "Show", "ListSandboxes"})
+READS = frozenset({"WaitReady", "Show", "ListSandboxes", "NetworkCapacity"})
 # Calls that only wait (for readiness, up to a day): counted against the
 # caller's uid, but holding no slot of its class's share while they wait.
 WAITS = frozenset({"WaitReady"})

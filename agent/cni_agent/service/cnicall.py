@@ -36,7 +36,7 @@ from cni_agent.cni.result import convert_result
 from cni_agent.cni.runtime import LEGACY_ATTACHMENTS_KEY, VALID_ATTACHMENTS_KEY
 from cni_agent.readiness.monitor import Monitor
 from cni_agent.sandboxes.attach import Attachments, AttachRequest
-from cni_agent.sandboxes.errors import classify
+from cni_agent.sandboxes.errors import Hinted, classify
 
 log = logging.getLogger(__name__)
 
@@ -226,8 +226,12 @@ def failure_answer(call: ShimCall, e: BaseException) -> Answer:
     v = call.cni_version
     inner = _plugin_error(e)
     if inner is not None:
+        details = inner.details or f"from plugin {inner.plugin} ({inner.verb})"
+        # The plugin's code and msg unchanged; what the agent knows besides
+        # (its pool is full) after them, where runtimes log it.
+        hint = next((c.hint for c in _causes(e) if isinstance(c, Hinted)), "")
         return error_answer(inner.code, inner.msg,
-                            inner.details or f"from plugin {inner.plugin} ({inner.verb})", v, PLUGIN)
+                            f"{details}; hint: {hint}" if hint else details, v, PLUGIN)
     err = classify(e)
     bad = _invalid_argument(e)
     if bad is not None:

@@ -283,7 +283,8 @@ class Daemon:
             from cni_agent.service.httpd import HealthServer, ListenError
 
             http = HealthServer(self.cfg.http.listen, self.monitor, self.core.metrics,
-                                self.core.journal.store, lambda: bus.connected, self.web_config)
+                                self.core.journal.store, lambda: bus.connected, self.web_config,
+                                self.manager.capacity)
             try:
                 await http.start()
             except ListenError as e:

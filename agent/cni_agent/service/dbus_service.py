@@ -57,7 +57,7 @@ SIGNATURES = {
     "Setup": "ssa{sv}", "Teardown": "ssa{sv}", "Check": "ssa{sv}", "Show": "s",
     "ListSandboxes": "", "WaitReady": "d", "GarbageCollect": "as", "Reload": "",
     "SetPodCIDRs": "as", "Attach": "ssssa{sv}", "Detach": "ssssa{sv}", "CNICall": "a{ss}s",
-    "CheckSandboxes": "as", "ResetPodCIDRs": "",
+    "CheckSandboxes": "as", "ResetPodCIDRs": "", "NetworkCapacity": "s",
 }
 # dbus-fast gives a signal's arguments no names; the contract's XML has them.
 SIGNAL_ARGS = {"AttachmentDrifted": ("sandbox_id", "network", "ifname", "reason"),
@@ -419,6 +419,16 @@ class AgentInterface(ServiceInterface):
             return await self.monitor.wait_ready(min(timeout_seconds, MAX_WAIT))
 
         result: bool = await self._serve("WaitReady", work)
+        return result
+
+    @method()
+    @signature("s", returns="s")
+    async def NetworkCapacity(self, network: str) -> str:
+        async def work(caller: Caller) -> str:
+            return json.dumps(await self.manager.network_capacity(network, caller))
+
+        # Open to all, like the properties: how full a pool is, never whose.
+        result: str = await self._serve("NetworkCapacity", work)
         return result
 
     @method()

@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from cni_agent.config import parse_listen
 from cni_agent.readiness.monitor import Monitor
+from cni_agent.sandboxes.capacity import Capacities
 from cni_agent.sandboxes.records import Phase
 from cni_agent.sandboxes.store import SandboxStore
 from cni_agent.service.basicauth import BasicAuth
@@ -46,8 +47,10 @@ _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 class HealthServer:
     def __init__(self, listen: str, monitor: Monitor, metrics: Metrics, store: SandboxStore,
-                 bus_alive: Callable[[], bool], web_config: WebConfig | None = None) -> None:
+                 bus_alive: Callable[[], bool], web_config: WebConfig | None = None,
+                 capacities: Capacities | None = None) -> None:
         self.listen = listen
+        self._capacities = capacities
         self._monitor = monitor
         self._metrics = metrics
         self._store = store
@@ -154,6 +157,10 @@ class HealthServer:
         tearing_down = sum(1 for r in records if r.phase is Phase.DELETING)
         lost = sum(1 for r in records for a in r.attachments if a.lost is not None)
         self._metrics.refresh(self._monitor, len(records) + len(unreadable), tearing_down, lost)
+        if self._capacities is not None:  # read now, one read per network (shared)
+            nets = self._monitor.networks()
+            self._capacities.forget({n.name for n in nets})
+            self._metrics.capacity(await asyncio.gather(*(self._capacities.of(n) for n in nets)))
         return web.Response(body=self._metrics.exposition(),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import bisect
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import TypeVar
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
 
 from prometheus_client import (
     CollectorRegistry,
@@ -168,6 +168,17 @@ class Metrics:
             "cni_agent_not_ready_reason",
             "Why NetworkReady is false: 1 for the current reason, 0 for the others (all 0 "
             "when ready)", ("reason",), registry=r)
+        self.ipam_addresses = Gauge(
+            "cni_agent_ipam_addresses",
+            "Addresses of each host-local range of each network, by state: size (the "
+            "range's addresses host-local can lease), used (leased now), free; read at "
+            "scrape time; no series where the capacity is not known", ("network", "range", "state"),
+            registry=r)
+        self.ipam_used_ratio = Gauge(
+            "cni_agent_ipam_pool_used_ratio",
+            "Per network of known capacity: used/size of the range set with the fewest free "
+            "addresses (each attachment takes one address of every range set): 1 is full",
+            ("network",), registry=r)
         # The agent's own CPU, memory and descriptors (process_*), as the
         # default registry would have them.
         ProcessCollector(registry=r)
@@ -269,6 +280,21 @@ class Metrics:
         self.sandboxes.set(sandboxes)
         self.tearing_down.set(tearing_down)
         self.lost.set(lost)
+
+    def capacity(self, docs: Sequence[Mapping[str, Any]]) -> None:
+        """The networks' capacity documents (`cni.pool.read_capacity`), just
+        before a scrape: a series per range of known capacity, nothing else."""
+        self.ipam_addresses.clear()
+        self.ipam_used_ratio.clear()
+        for doc in docs:
+            if doc.get("capacity") != "known":
+                continue
+            name = str(doc["network"])
+            for rs in doc["range_sets"]:
+                for rng in rs["ranges"]:
+                    for state in ("size", "used", "free"):
+                        self.ipam_addresses.labels(name, rng["range"], state).set(rng[state])
+            self.ipam_used_ratio.labels(name).set(doc["used"] / doc["size"] if doc["size"] else 0)
 
     def exposition(self) -> bytes:
         # No `*_created` series: a timestamp per counter and histogram child that
