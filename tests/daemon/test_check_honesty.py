@@ -11,7 +11,7 @@ sandbox is torn down.
 
 Real bridge + host-local, the test plugin last in the chain for the faults
 (its control file makes CHECK hang or fail, and ADD fail), the agent on a
-private bus, its signals read by `gdbus monitor`, its metrics over HTTP.
+private bus, its signals read by a WatchSandboxes caller, its metrics over HTTP.
 """
 
 from __future__ import annotations
