@@ -174,6 +174,28 @@ def test_a_setup_that_rolls_back_tells_nothing(
         watcher.close()
 
 
+def test_reaping_is_told(agent: Agent, netns_factory: Callable[[], str]) -> None:
+    watcher = Watcher(agent.bus.address)
+    try:
+        doomed, listed = netns_factory(), netns_factory()
+        agent.setup("doomed", doomed)
+        agent.setup("listed", listed)
+        [address] = addresses(doomed)
+        subprocess.run(["ip", "netns", "del", os.path.basename(doomed)], check=True)
+        agent.setup("listed", listed)  # an identical repeat: nothing told
+        # A GC that lists only the live one reaps the other (its namespace is gone).
+        agent.call("GarbageCollect", "as", "1", "listed")
+        got = wait_for(lambda: len(watcher.changes()) >= 3 and watcher.changes(), timeout=10)
+        time.sleep(0.3)
+        assert [(c["sandbox"], c["change"]) for c in watcher.changes()] == [
+            ("doomed", "set-up"), ("listed", "set-up"), ("doomed", "reaped")]
+        [gone] = got[2]["attachments"]
+        assert gone["state"] == "gone" and gone["addresses"] == [address]
+        agent.call("Teardown", "ssa{sv}", "listed", listed, "0")
+    finally:
+        watcher.close()
+
+
 def test_a_member_cannot_observe_roots_sandboxes_and_sees_its_own(
     make_agent: Callable[..., Agent], pods: str, member: str, netns: str,
 ) -> None:
