@@ -174,6 +174,26 @@ def test_a_setup_that_rolls_back_tells_nothing(
         watcher.close()
 
 
+def test_cni_agent_events_watches_again_when_the_agent_is_back(agent: Agent, netns: str) -> None:
+    cli = Events(agent)
+    try:
+        watching(agent, 1)
+        agent.stop()
+        wait_for(lambda: cli.docs() and cli.docs()[-1] == {**cli.docs()[-1],
+                                                            "agent_running": False}, timeout=10)
+        agent.start()
+        wait_for(lambda: cli.docs()[-1].get("agent_running") is True, timeout=20)
+        agent.setup("web", netns)
+        docs = wait_for(lambda: len(cli.docs()) >= 3 and cli.docs(), timeout=10)
+        assert [d.get("change", d.get("agent_running")) for d in docs] == [False, True, "set-up"]
+        agent.call("Teardown", "ssa{sv}", "web", netns, "0")
+        code, err = cli.stop()
+        assert code == 0 and err == "", err
+    finally:
+        if cli.proc.poll() is None:
+            cli.stop()
+
+
 def test_reaping_is_told(agent: Agent, netns_factory: Callable[[], str]) -> None:
     watcher = Watcher(agent.bus.address)
     try:
