@@ -29,6 +29,7 @@ from tests.daemon.test_owners import own_netns
 from tests.support.agent import IFACE, NAME, PATH, Agent, as_member, member_cli, readable_source
 from tests.support.net import addresses, delete_link
 from tests.support.plugins import Control, conflist, wait_for, write_conf
+from tests.support.shim import run_shim, shim_conf
 from tests.support.watch import Watcher
 
 pytestmark = pytest.mark.root
@@ -192,6 +193,25 @@ def test_cni_agent_events_watches_again_when_the_agent_is_back(agent: Agent, net
     finally:
         if cli.proc.poll() is None:
             cli.stop()
+
+
+def test_a_runtimes_add_and_del_through_the_shim_are_told(agent: Agent, netns: str) -> None:
+    watcher = Watcher(agent.bus.address)
+    try:
+        conf = shim_conf("rtnet", "pods")
+        added = run_shim(agent.bus.address, "ADD", conf, cid="rt1", netns=netns,
+                         socket=str(agent.shim_socket))
+        assert added.rc == 0, added
+        [address] = addresses(netns)
+        deleted = run_shim(agent.bus.address, "DEL", conf, cid="rt1", netns=netns,
+                           socket=str(agent.shim_socket))
+        assert deleted.rc == 0, deleted
+        got = wait_for(lambda: len(watcher.changes()) >= 2 and watcher.changes(), timeout=10)
+        assert [(c["sandbox"], c["change"], c["attachments"][0]["state"],
+                 c["attachments"][0]["addresses"]) for c in got] == [
+            ("rt1", "attached", "ready", [address]), ("rt1", "detached", "gone", [address])]
+    finally:
+        watcher.close()
 
 
 def test_reaping_is_told(agent: Agent, netns_factory: Callable[[], str]) -> None:
