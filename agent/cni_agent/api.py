@@ -18,7 +18,8 @@ ERROR_PREFIX = "org.cniagent.Agent1.Error."
 # 2: CheckSandboxes, AttachmentDrifted.
 # 3: ResetPodCIDRs, PodCIDRsSource.
 # 4: AttachmentCheckChanged.
-# 5: option netns_fd on Teardown, Detach and Check (a member's namespace again).
+# 5: option netns_fd on Teardown, Detach and Check (a member's namespace again);
+#    WatchSandboxes and SandboxChanged, and the check signals unicast to watchers.
 INTERFACE_REVISION = 5
 
 

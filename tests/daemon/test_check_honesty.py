@@ -11,7 +11,7 @@ sandbox is torn down.
 
 Real bridge + host-local, the test plugin last in the chain for the faults
 (its control file makes CHECK hang or fail, and ADD fail), the agent on a
-private bus, its signals read by `gdbus monitor`, its metrics over HTTP.
+private bus, its signals read by a WatchSandboxes caller, its metrics over HTTP.
 """
 
 from __future__ import annotations
@@ -190,6 +190,10 @@ def test_a_repair_that_gives_another_address_is_never_ok(
     assert state(agent, "web") == "repaired-with-new-address"
     assert any(f"'repaired-with-new-address', 'the address changed: {before} → {after}'" in x
                for x in changes(signals)), changes(signals)
+    # The sandbox event of the repair: its new address, ready again.
+    [repaired] = [c for c in signals.changes() if c["change"] == "repaired"]
+    assert repaired["sandbox"] == "web" and repaired["attachments"][0]["state"] == "ready"
+    assert repaired["attachments"][0]["addresses"] == [after], repaired
     shown = cli(agent, "show", "web").stdout
     assert f"repaired with a new address (the address changed: {before} → {after})" in shown
 
@@ -226,6 +230,10 @@ def test_a_failed_repair_is_kept_lost_and_retried_until_it_succeeds_across_a_res
                for x in agent.log().splitlines()), agent.log()[-3000:]
     assert any("'lost', 'plugin testplug ADD failed (code 11): no room right now'" in x
                for x in changes(signals)), changes(signals)
+    # The sandbox event: lost, with the address it had (released meanwhile).
+    [gone] = [c for c in signals.changes() if c["change"] == "lost"]
+    assert gone["attachments"][0]["state"] == "lost" and \
+        gone["attachments"][0]["addresses"] == [ip], gone
     wait_for(lambda: "pods  eth0  -  lost (removed by a repair whose ADD failed" in
              cli(agent, "show", "web").stdout, timeout=10)
     assert cli(agent, "check", "web").returncode == 1  # (CheckSandboxes waits for the lock)

@@ -2,7 +2,7 @@
 reported (journal, metrics, Show, a D-Bus signal) and repaired on request.
 
 Real bridge + host-local + portmap, real namespaces, the agent on a private
-bus; the signal is read by a real client (gdbus monitor). Debian 12's
+bus; the signal is read by a real client (a WatchSandboxes caller). Debian 12's
 portmap 1.1.1 fails CHECK right after ADD on IPv4-only networks, so the drift
 cases use the 1.9.1 plugins tools/setup-system caches (skipped without them).
 """
@@ -13,7 +13,6 @@ import json
 import re
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime
@@ -28,6 +27,7 @@ from tests.daemon.test_http import samples
 from tests.support.agent import Agent, Bus
 from tests.support.net import addresses, allocations, delete_link, netns_name
 from tests.support.plugins import Control, conflist, wait_for, write_conf
+from tests.support.watch import Watcher
 
 pytestmark = [pytest.mark.root, pytest.mark.usefixtures("drift_checks_turn")]
 
@@ -119,28 +119,14 @@ def dport_rules() -> list[str]:
     return [line for line in nat.splitlines() if "--dport 18431" in line and "DNAT" in line]
 
 
-class Monitor:
-    """`gdbus monitor` on the agent's name: what a real client receives."""
+class Monitor(Watcher):
+    """A watcher of the agent's sandboxes: what a real client receives. Since
+    interface revision 5 the check signals are unicast to the callers of
+    WatchSandboxes (`gdbus monitor` no longer sees them); it watches again
+    whenever the agent (re)takes its name."""
 
     def __init__(self, bus: Bus) -> None:
-        self.proc = subprocess.Popen(
-            ["stdbuf", "-oL", "gdbus", "monitor", "--address", bus.address, "--dest", "org.cniagent.Agent1"],
-            stdout=subprocess.PIPE, text=True)
-        self.lines: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-        time.sleep(0.3)  # its AddMatch is in before anything happens
-
-    def drifted(self) -> list[str]:
-        return [line for line in list(self.lines) if "AttachmentDrifted" in line]
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
+        super().__init__(bus.address, follow=True)
 
 
 @pytest.fixture

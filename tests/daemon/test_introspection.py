@@ -40,12 +40,15 @@ def test_live_introspection_equals_the_documented_xml(make_agent: Callable[..., 
     live = interface_shape(json.loads(out.stdout)["data"][0])
     documented = interface_shape(DOCUMENTED.read_text())
     assert live == documented
-    assert len(live["methods"]) == 15 and len(live["properties"]) == 9
+    assert len(live["methods"]) == 16 and len(live["properties"]) == 9
+    assert live["methods"]["WatchSandboxes"] == []
     assert live["signals"] == {
         "AttachmentDrifted": [(n, "s", "out") for n in
                               ("sandbox_id", "network", "ifname", "reason")],
         "AttachmentCheckChanged": [(n, "s", "out") for n in
-                                   ("sandbox_id", "network", "ifname", "state", "reason")]}
+                                   ("sandbox_id", "network", "ifname", "state", "reason")],
+        "SandboxChanged": [("sandbox_id", "s", "out"), ("change", "s", "out"),
+                           ("owner_uid", "u", "out"), ("attachments", "a(ssssas)", "out")]}
 
 
 def test_every_method_and_property_has_a_doc_comment() -> None:

@@ -206,7 +206,8 @@ def page_members(kind: str) -> dict[str, tuple[list[tuple[str, str]], list[str]]
     """The page's methods or signals: `### \\`Name(t a, t b) → t out, t out2\\``."""
     body = section(text("dbus-api.md"), kind)
     found = {}
-    for m in re.finditer(r"^### `(\w+)\(([^)]*)\)(?: → ([^`]+))?`$", body, re.M):
+    # Greedy: a struct's type (SandboxChanged's a(ssssas)) has parentheses of its own.
+    for m in re.finditer(r"^### `(\w+)\((.*)\)(?: → ([^`]+))?`$", body, re.M):
         ins = [tuple(a.split()) for a in m.group(2).split(", ") if a]
         outs = [o.split()[0] for o in m.group(3).split(", ")] if m.group(3) else []
         assert all(len(a) == 2 for a in ins), m.group(0)

@@ -38,7 +38,8 @@ def test_who_may_call_each_scope(caller: Caller, scope: Scope, allowed: bool) ->
 def test_every_method_declares_its_scope() -> None:
     assert METHODS["Reload"] is METHODS["SetPodCIDRs"] is METHODS["ResetPodCIDRs"] is Scope.NODE
     assert METHODS["WaitReady"] is METHODS["NetworkCapacity"] is Scope.OPEN
-    assert {m for m, s in METHODS.items() if s is Scope.INSPECT} == {"Show", "ListSandboxes", "Check"}
+    assert {m for m, s in METHODS.items() if s is Scope.INSPECT} == {
+        "Show", "ListSandboxes", "Check", "WatchSandboxes"}
     assert cnicall_scope("STATUS") is cnicall_scope("VERSION") is Scope.OPEN
     assert {cnicall_scope(c) for c in ("ADD", "DEL", "CHECK", "GC", "", "BOGUS")} == {Scope.RUNTIME}
 

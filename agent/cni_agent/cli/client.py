@@ -277,6 +277,31 @@ def open_netns(path: str, missing_ok: bool = False) -> int | None:
                           status=EXIT_USAGE) from None
 
 
+# --- sandbox events -------------------------------------------------------------------
+
+EVENT_SIGNALS = frozenset({"SandboxChanged", "AttachmentDrifted", "AttachmentCheckChanged"})
+
+
+def event_document(member: str, body: Sequence[Any]) -> dict[str, Any]:
+    """A sandbox signal as `events --json` prints it (without its time):
+    SandboxChanged as `{"sandbox", "change", "owner", "attachments": [{"network",
+    "ifname", "state", "mac", "addresses"}]}`; the check signals as `{"sandbox",
+    "change": "drifted" | "check", "network", "ifname", "state", "reason"}`."""
+    if member == "SandboxChanged":
+        sid, change, owner, attachments = body
+        return {"sandbox": str(sid), "change": str(change), "owner": int(owner),
+                "attachments": [{"network": str(n), "ifname": str(i), "state": str(st),
+                                 "mac": str(mac), "addresses": [str(a) for a in addrs]}
+                                for n, i, st, mac, addrs in attachments]}
+    if member == "AttachmentDrifted":
+        sid, network, ifname, reason = body
+        return {"sandbox": str(sid), "change": "drifted", "network": str(network),
+                "ifname": str(ifname), "state": "drifted", "reason": str(reason)}
+    sid, network, ifname, state, reason = body
+    return {"sandbox": str(sid), "change": "check", "network": str(network),
+            "ifname": str(ifname), "state": str(state), "reason": str(reason)}
+
+
 # --- the client -----------------------------------------------------------------------
 
 
@@ -494,6 +519,61 @@ class AgentClient:
                 if new != state:
                     state = new
                     yield state
+        finally:
+            lost.cancel()
+            self._bus.remove_message_handler(on_message)
+
+    async def events(self) -> AsyncGenerator[dict[str, Any], None]:
+        """Each sandbox event the agent sends this connection, as a JSON-ready
+        object (`event_document`), from WatchSandboxes on.
+
+        The signals are unicast to this connection (no match rule needed); the
+        agent leaving the bus yields `{"agent_running": False}`, and once it
+        is back this watches again and yields `{"agent_running": True}`
+        (what happened meanwhile is not told). Ends only by raising
+        `ClientError` (the bus connection is lost, WatchSandboxes refused) or
+        by being closed."""
+        queue: asyncio.Queue[Message | None] = asyncio.Queue()
+
+        def on_message(msg: Message) -> None:
+            if msg.message_type is not MessageType.SIGNAL or not msg.body:
+                return
+            if (msg.path == OBJECT_PATH and msg.interface == INTERFACE
+                    and msg.member in EVENT_SIGNALS) or \
+                    (msg.member == "NameOwnerChanged" and msg.interface == DBUS_INTERFACE
+                     and msg.body[0] == BUS_NAME):
+                queue.put_nowait(msg)
+
+        disconnected = cast(Callable[[], Awaitable[None]], self._bus.wait_for_disconnect)
+
+        async def on_disconnect() -> None:
+            with contextlib.suppress(Exception):
+                await disconnected()
+            queue.put_nowait(None)
+
+        self._bus.add_message_handler(on_message)
+        lost = asyncio.create_task(on_disconnect())
+        try:
+            await self._add_match(
+                f"type='signal',sender='{DBUS_NAME}',interface='{DBUS_INTERFACE}',"
+                f"member='NameOwnerChanged',arg0='{BUS_NAME}'")
+            await self._call("WatchSandboxes")
+            while True:
+                msg = await queue.get()
+                if msg is None:
+                    raise ClientError("lost the bus", f"the connection to "
+                                      f"{describe_bus(self.bus_spec)} was closed")
+                if msg.member == "NameOwnerChanged":
+                    if not msg.body[2]:
+                        yield {"agent_running": False}
+                        continue
+                    try:
+                        await self._call("WatchSandboxes")
+                    except AgentUnavailable:  # came and went already
+                        continue
+                    yield {"agent_running": True}
+                    continue
+                yield event_document(str(msg.member), list(msg.body))
         finally:
             lost.cancel()
             self._bus.remove_message_handler(on_message)

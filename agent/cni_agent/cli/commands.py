@@ -20,6 +20,13 @@ JSON output (stable; new keys may be added, none removed or renamed):
   time with offset, milliseconds) and `"agent_running"` (false when the agent
   left the bus; then `network_ready` is false and `last_error` is
   "agent not running").
+- `events --json`: one object per line: `{"time", "sandbox", "change", "owner",
+  "attachments": [{"network", "ifname", "state", "mac", "addresses"}]}` for
+  each SandboxChanged (change: set-up, attached, detached, torn-down, reaped,
+  lost, repaired; state: ready, gone, lost); `{"time", "sandbox", "change":
+  "drifted" | "check", "network", "ifname", "state", "reason"}` for
+  AttachmentDrifted and AttachmentCheckChanged; `{"time", "agent_running"}`
+  when the agent leaves the bus or is back.
 - `setup --json`, `show --json`: the agent's result, unchanged:
   `{"sandbox": ID, "state": STATE, "attachments": [{"network": NAME, "ifname": IF,
   "result": CNI_RESULT}]}`, each CNI result in its network's cniVersion.
@@ -66,9 +73,11 @@ from cni_agent.cli.output import (
     change_json,
     colour_enabled,
     dumps,
+    event_json,
     format_attachments,
     format_change,
     format_checks,
+    format_event,
     format_networks,
     format_pod_cidrs,
     format_status,
@@ -141,13 +150,31 @@ async def _print_changes(client: AgentClient, args: argparse.Namespace, colour: 
     return EXIT_OK
 
 
+async def _print_events(client: AgentClient, args: argparse.Namespace, colour: bool) -> int:
+    async with contextlib.aclosing(client.events()) as events:
+        async for doc in events:
+            now = datetime.now()
+            print(dumps(event_json(doc, now), one_line=True) if args.json
+                  else format_event(doc, now), flush=True)
+    return EXIT_OK
+
+
 async def _monitor(client: AgentClient, args: argparse.Namespace, colour: bool) -> int:
-    """Print changes until SIGINT/SIGTERM (exit 0, quietly) or the bus goes away (1)."""
+    return await _follow(_print_changes, client, args, colour)
+
+
+async def _events(client: AgentClient, args: argparse.Namespace, colour: bool) -> int:
+    return await _follow(_print_events, client, args, colour)
+
+
+async def _follow(printer: ClientCommand, client: AgentClient, args: argparse.Namespace,
+                  colour: bool) -> int:
+    """Print until SIGINT/SIGTERM (exit 0, quietly) or the bus goes away (1)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    watcher = asyncio.create_task(_print_changes(client, args, colour))
+    watcher: asyncio.Task[int] = asyncio.ensure_future(printer(client, args, colour))
     stopper = asyncio.create_task(stop.wait())
     try:
         await asyncio.wait({watcher, stopper}, return_when=asyncio.FIRST_COMPLETED)
@@ -259,7 +286,7 @@ def _run_client(command: ClientCommand, args: argparse.Namespace) -> int:
         print(f"cni-agent: {e}", file=sys.stderr)
         return e.status
     except KeyboardInterrupt:  # Ctrl-C before the command's own handling, or outside monitor
-        return EXIT_OK if command is _monitor else EXIT_INTERRUPTED
+        return EXIT_OK if command in (_monitor, _events) else EXIT_INTERRUPTED
     except BrokenPipeError:  # e.g. `cni-agent monitor | head -1`: stop quietly
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
@@ -404,6 +431,17 @@ def build_parser() -> argparse.ArgumentParser:
         timestamp, until interrupted (Ctrl-C exits 0).""",
         "  $ cni-agent monitor\n  2026-05-09 07:35:25  ready      Ready: ...", _monitor,
         "one object per line: the status object plus time and agent_running")
+    _command(sub, "events", "print each change of a sandbox as it happens", """
+        Watch the sandboxes (WatchSandboxes) and print one line per change until
+        interrupted (Ctrl-C exits 0): set-up, attached, detached, torn-down, reaped, lost,
+        repaired, with each attachment's network, interface, state, addresses and MAC; and
+        each drift and check-state change. Root sees every sandbox, another caller its own.
+        When the agent restarts, the command watches again once it is back (what happened
+        meanwhile is not printed).""",
+        "  $ cni-agent events\n  2026-05-09 07:35:25  set-up     pod-1  podnet eth0 ready "
+        "10.22.0.5/24 0a:58:0a:16:00:05", _events,
+        "one object per line: time, sandbox, change, owner, attachments (network, ifname, "
+        "state, mac, addresses)")
     p = _command(sub, "setup", "attach a sandbox (network namespace) to networks", """
         Run the networks' plugin chains (CNI ADD) for sandbox ID in the network namespace
         NETNS, after waiting for readiness. Repeating an identical setup returns the cached

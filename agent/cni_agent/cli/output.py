@@ -165,6 +165,29 @@ def change_json(st: AgentStatus, when: datetime) -> dict[str, Any]:
             "agent_running": st.running, **st.to_json()}
 
 
+def event_json(doc: dict[str, Any], when: datetime) -> dict[str, Any]:
+    """`events --json`: the event with its time first (as `monitor --json`'s)."""
+    return {"time": when.astimezone().isoformat(timespec="milliseconds"), **doc}
+
+
+def format_event(doc: dict[str, Any], when: datetime) -> str:
+    """One `events` line: local time, the change, the sandbox, then each
+    attachment (network, interface, state, addresses, MAC) or the check's state
+    and reason."""
+    stamp = when.astimezone().strftime("%Y-%m-%d %H:%M:%S")
+    if "agent_running" in doc:
+        word = "agent back: watching again" if doc["agent_running"] else \
+            "agent left the bus: events are not told until it is back"
+        return f"{stamp}  {word}"
+    head = f"{stamp}  {doc['change']:<9}  {doc['sandbox']}"
+    if "attachments" in doc:
+        parts = [f"{a['network']} {a['ifname']} {a['state']} "
+                 f"{','.join(a['addresses']) or '-'} {a['mac'] or '-'}"
+                 for a in doc["attachments"]]
+        return f"{head}  {'; '.join(parts)}"
+    return f"{head}  {doc['network']} {doc['ifname']} {doc['state']}: {doc['reason']}"
+
+
 def dumps(doc: Any, one_line: bool = False) -> str:
     """JSON output: indented documents, or one object per line (`monitor --json`)."""
     return json.dumps(doc) if one_line else json.dumps(doc, indent=2)

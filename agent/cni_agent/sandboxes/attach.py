@@ -32,6 +32,7 @@ from cni_agent.cni.errors import CNIError, InvalidArgument, NoCachedResult
 from cni_agent.cni.logctx import log_fields
 from cni_agent.node.netns import Pinned
 from cni_agent.sandboxes.errors import classified
+from cni_agent.sandboxes.events import Change, State
 from cni_agent.sandboxes.manager import (
     DEFAULT_IFNAME,
     NetworkRequest,
@@ -164,6 +165,9 @@ class Attachments:
                                         new_sandbox=new, attaching=[(att.ifname, net)]):
             # A new sandbox: lo first, before an intent exists (nothing to undo).
             [result] = await m.add_new(rec, [att], [net], ns, loopback=new, failed=failed)
+            if m.journal.events.on:
+                m.journal.events.emit(Change.ATTACHED, rec.sandbox_id, rec.owner,
+                                      [(att, State.READY)], {att.ifname: result})
         log.info("sandbox %s: %s/%s attached", req.sandbox_id, att.network, att.ifname)
         return attachment_document(req.sandbox_id, att.network, att.ifname, result)
 
@@ -233,6 +237,8 @@ class Attachments:
     async def _remove(self, rec: SandboxRecord, ifname: str, ns: Pinned | None,
                       entries: Mapping[tuple[str, str], CachedAttachment]) -> None:
         removal = await self.m.journal.remove(rec, [ifname], ns, entries)
+        if self.m.journal.events.on:
+            self.m.journal.tell_removed(Change.DETACHED, rec, removal)
         if removal.errors:
             raise AgentError(ErrorKind.PLUGIN_FAILED,
                              f"DEL of {ifname} of {rec.sandbox_id} incomplete, its cache entry "

@@ -37,6 +37,7 @@ from cni_agent.cni.cache import CachedAttachment
 from cni_agent.cni.errors import CacheError, CNIError, PluginError
 from cni_agent.cni.logctx import log_fields
 from cni_agent.node.netns import Pinned
+from cni_agent.sandboxes.events import Change, State
 from cni_agent.sandboxes.journal import Entries, Journal
 from cni_agent.sandboxes.records import (
     Attachment,
@@ -288,6 +289,10 @@ class Checks:
                       "the record and retried in %gs: %s", rec.sandbox_id, att.network,
                       att.ifname, self.retry_delay(1), result)
             self.on_lost()
+            gone = rec.attachment(att.ifname)
+            if self.journal.events.on and gone is not None:
+                self.journal.events.emit(Change.LOST, rec.sandbox_id, rec.owner,
+                                         [(gone, State.LOST)])
             return self._announce(replace(drift, verdict=CheckVerdict.LOST, reason=str(result),
                                           repair="failed", changed=True, drifted=False)), rec
         return await self._repaired(rec, current, ips, result, ns, "ok")
@@ -343,6 +348,9 @@ class Checks:
         _, entries = await self.journal.view(rec.sandbox_id)
         fresh = rec.attachment(was.ifname)
         new_entry = entries.get((was.network, was.ifname))
+        if self.journal.events.on and fresh is not None:
+            self.journal.events.emit(Change.REPAIRED, rec.sandbox_id, rec.owner,
+                                     [(fresh, State.READY)], {fresh.ifname: result})
         if fresh is None or new_entry is None:
             return Outcome(rec.sandbox_id, was.network, was.ifname, CheckVerdict.OK), rec
         repairs = (was.check.repairs if was.check else 0) + 1

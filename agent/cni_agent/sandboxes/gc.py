@@ -33,6 +33,7 @@ from cni_agent.cni.result import version_at_least
 from cni_agent.node.blocking import UNANSWERED
 from cni_agent.node.locks import LockTimeout, NetworkLocks, SandboxLocks
 from cni_agent.node.netns import Pinned
+from cni_agent.sandboxes.events import Change
 from cni_agent.sandboxes.journal import Journal, Removal, Unconfirmed
 from cni_agent.sandboxes.order import Kind, Sequencer
 from cni_agent.sandboxes.policy import OWNED_PREFIX, ROOT, Caller, Policy
@@ -203,6 +204,8 @@ class Reaper:
                         return
                     async with self.journal.live_netns(rec, entries) as ns:
                         removal = await self.journal.remove(rec, doomed, ns, entries)
+                    if self.journal.events.on:
+                        self.journal.tell_removed(Change.REAPED, rec, removal)
                     kept = {a.ifname for a in removal.left.attachments} if removal.left else set()
                     report.deleted.extend((a.network, sid, a.ifname) for a in rec.attachments
                                           if a.ifname in doomed and a.ifname not in kept)
@@ -310,8 +313,10 @@ class Reaper:
                            valid_ids: Collection[str] | None, report: GCReport) -> None:
         unfinished = [a.ifname for a in rec.attachments if a.phase is not Phase.READY] if rec else []
         if rec is not None and unfinished:
-            self._account(report, sid, await self.journal.remove(rec, unfinished, netns, entries),
-                          rolled_back=True)
+            undone = await self.journal.remove(rec, unfinished, netns, entries)
+            if self.journal.events.on:
+                self.journal.tell_removed(Change.REAPED, rec, undone)
+            self._account(report, sid, undone, rolled_back=True)
             rec, entries = await self.journal.view(sid)
         foreign = [e for e in entries.values() if not _in(rec, e)]
         unlisted = valid_ids is not None and sid not in valid_ids
@@ -333,6 +338,8 @@ class Reaper:
         # A namespace still the recorded one gets its DEL (the caller may have
         # declared a live sandbox invalid); any other path, none.
         removal = await self.journal.remove(claimed, doomed, netns, entries)
+        if self.journal.events.on:
+            self.journal.tell_removed(Change.REAPED, claimed, removal)
         kept = {a.ifname for a in removal.left.attachments} if removal.left else set()
         report.deleted.extend((a.network, sid, a.ifname) for a in claimed.attachments
                               if a.ifname in doomed and a.ifname not in kept)

@@ -46,6 +46,7 @@ from cni_agent.node.netns import (
 )
 from cni_agent.sandboxes import cacheview
 from cni_agent.sandboxes.cacheview import entry_of
+from cni_agent.sandboxes.events import Change, Events, State
 from cni_agent.sandboxes.records import Attachment, DamagedRecord, Phase, SandboxRecord
 from cni_agent.sandboxes.spoofguard import Guard
 from cni_agent.sandboxes.store import SandboxStore
@@ -82,6 +83,9 @@ class Removal:
     # all was recorded. Those attachments show "deleting" until a write records
     # it (`SandboxStore.unrecorded`); the next reaping pass finishes them.
     unrecorded: str = ""
+    # The DELs that succeeded are in the journal (the record's update or
+    # removal was written): what a sandbox event may tell.
+    recorded: bool = True
 
 
 class Identity(Enum):
@@ -192,6 +196,8 @@ class Journal:
         # only grows: a GC that began earlier never reaps it (`born_after`).
         self._born: dict[str, int] = {}
         self.generation = 0
+        # Each committed change of a sandbox, to the service's watchers (events.py).
+        self.events = Events()
 
     def born_after(self, sandbox_id: str, generation: int) -> bool:
         """Whether the sandbox was set up after `generation` was read."""
@@ -530,6 +536,7 @@ class Journal:
                 gone.add(att.ifname)
         left = [a for a in rec.attachments if a.ifname not in gone]
         kept = rec.with_attachments(left) if left else None
+        written = True
         try:
             if kept is not None:
                 self.store.write(kept)
@@ -537,6 +544,7 @@ class Journal:
                 self.store.delete(sid)
                 self._born.pop(sid, None)
         except CacheError as e:
+            written = False
             self.store.unrecorded(sid, [a.ifname for a in targets])
             # The mark matters only now: a record written at the end says all of it.
             missed[:0] = ['the "deleting" mark'] if unmarked else []
@@ -547,7 +555,21 @@ class Journal:
             unrecorded = f"not recorded: {_and(missed)} ({_cause(failure)})"
             log.warning("sandbox %s: %s; the next reaping pass finishes it once the disk allows",
                         sid, unrecorded)
-        return Removal(kept, errors, unrecorded)
+        return Removal(kept, errors, unrecorded, written)
+
+    def tell_removed(self, change: Change, rec: SandboxRecord, removal: Removal) -> None:
+        """Tell the watchers what `removal` took out of `rec` (the record given
+        to `remove`), once the journal holds it; call only when `events.on`.
+        A removal that left some (a DEL failed) is a detach of the others. An
+        attachment still "adding" was never told (a rollback): nor is its end."""
+        if not removal.recorded:
+            return  # the next reaping pass records it, and tells it
+        left = {a.ifname for a in removal.left.attachments} if removal.left else set()
+        if left and change is Change.TORN_DOWN:
+            change = Change.DETACHED
+        self.events.emit(change, rec.sandbox_id, rec.owner,
+                         [(a, State.GONE) for a in rec.attachments
+                          if a.ifname not in left and a.phase is not Phase.ADDING])
 
     async def _delete(self, sandbox_id: str, att: Attachment, ns: Pinned | None,
                       entry: CachedAttachment | None, owner: int) -> None:

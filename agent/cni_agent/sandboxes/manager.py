@@ -41,6 +41,7 @@ from cni_agent.sandboxes.admission import Admission
 from cni_agent.sandboxes.capacity import STRANGER_MAX_AGE, Capacities
 from cni_agent.sandboxes.checks import Checks
 from cni_agent.sandboxes.errors import Hinted, classified, classify
+from cni_agent.sandboxes.events import Change, State
 from cni_agent.sandboxes.gc import Reaper
 from cni_agent.sandboxes.journal import Journal, Removal, is_recorded
 from cni_agent.sandboxes.order import Kind, Ticket
@@ -344,6 +345,8 @@ class SandboxManager:
                      "Setup", rec.sandbox_id, rec.netns)
         if unfinished:
             removal = await self.journal.remove(rec, unfinished, live)
+            if self.journal.events.on:
+                self.journal.tell_removed(Change.REAPED, rec, removal)
             if removal.errors:
                 raise AgentError(ErrorKind.PLUGIN_FAILED,
                                  f"sandbox {rec.sandbox_id} has attachments left by an earlier "
@@ -379,6 +382,10 @@ class SandboxManager:
                         extra={"NETWORK": att.network, "IFNAME": att.ifname})
 
         results = await self.add_new(rec, new, nets, ns, loopback=True, failed=failed)
+        if self.journal.events.on:  # all ready, in the journal: told before the reply
+            self.journal.events.emit(Change.SET_UP, rec.sandbox_id, rec.owner,
+                                     [(a, State.READY) for a in new],
+                                     {a.ifname: r for a, r in zip(new, results, strict=True)})
         done = [CachedAttachment(rec.sandbox_id, net.name, att.ifname, rec.netns, net.bytes,
                                  result=result)
                 for net, att, result in zip(nets, new, results, strict=True)]
@@ -465,6 +472,8 @@ class SandboxManager:
                                                        ns.identity if ns else None)
                     with log_fields(**_single(claimed.attachments)):
                         removal = await self.journal.remove(claimed, None, ns, entries)
+                        if self.journal.events.on:
+                            self.journal.tell_removed(Change.TORN_DOWN, claimed, removal)
                         if removal.errors:
                             raise AgentError(ErrorKind.PLUGIN_FAILED,
                                              f"teardown of {sandbox_id} incomplete, its cache "

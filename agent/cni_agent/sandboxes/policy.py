@@ -90,7 +90,7 @@ METHODS: Mapping[str, Scope] = {
     "Detach": Scope.MANAGE, "GarbageCollect": Scope.MANAGE, "CheckSandboxes": Scope.MANAGE,
     "Check": Scope.INSPECT, "Show": Scope.INSPECT, "ListSandboxes": Scope.INSPECT,
     "Reload": Scope.NODE, "SetPodCIDRs": Scope.NODE, "ResetPodCIDRs": Scope.NODE,
-    "WaitReady": Scope.OPEN, "NetworkCapacity": Scope.OPEN,
+    "WaitReady": Scope.OPEN, "NetworkCapacity": Scope.OPEN, "WatchSandboxes": Scope.INSPECT,
 }
 READ_ONLY_COMMANDS = frozenset({"STATUS", "VERSION"})
 
@@ -238,11 +238,17 @@ class Policy:
         A record set aside as damaged (a power cut) leaves only `cached`
         entries: an id in the caller's own space is its all the same, since
         root creates none there — or its Teardown could never free them."""
+        if not Policy.may_show(caller, sandbox_id, owner, cached):
+            raise not_yours(sandbox_id, caller)
+
+    @staticmethod
+    def may_show(caller: Caller, sandbox_id: str, owner: int | None, cached: bool = False
+                 ) -> bool:
+        """`holds` as a question: whether `caller` may see (Show) this sandbox —
+        and so be told of its changes (WatchSandboxes, the check signals)."""
         if Policy.owns(caller, owner):
-            return
-        if owner is None and cached and sandbox_id.startswith(Policy.own_prefix(caller)):
-            return
-        raise not_yours(sandbox_id, caller)
+            return True
+        return owner is None and cached and sandbox_id.startswith(Policy.own_prefix(caller))
 
     @staticmethod
     def named_by_path(caller: Caller) -> None:

@@ -208,6 +208,11 @@ class SandboxStore:
         rec = self._records.get(sandbox_id)
         return None if rec is None else self._overlaid(rec)
 
+    def read_owner(self, sandbox_id: str) -> int | None:
+        """The uid a sandbox's record names (None: no usable record)."""
+        rec = self._records.get(sandbox_id)
+        return None if rec is None else rec.owner
+
     def ids(self, prefix: str = "") -> list[str]:
         return sorted(s for s in (*self._records, *self._damaged) if s.startswith(prefix))
 

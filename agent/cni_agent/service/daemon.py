@@ -253,6 +253,7 @@ class Daemon:
                                     check_now=self.core.drift.check_now)
         self.core.checks.subscribe(self.iface.on_check)
         self.iface.gate.send = bus.send
+        self.iface.watchers.bus = bus  # WatchSandboxes' signals, unicast
         # A call held until its sender's uid is known goes the way it came in.
         self.iface.gate.dispatch = bus._process_message
         bus.add_message_handler(self.iface.gate)

@@ -41,6 +41,7 @@ from cni_agent.service.auth import Authorizer
 from cni_agent.service.callers import Callers, InFlight, cnicall, error_of, invalid
 from cni_agent.service.cnicall import ShimCalls, command_of
 from cni_agent.service.gate import Gate, close_all
+from cni_agent.service.watchers import Watchers
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +59,12 @@ SIGNATURES = {
     "ListSandboxes": "", "WaitReady": "d", "GarbageCollect": "as", "Reload": "",
     "SetPodCIDRs": "as", "Attach": "ssssa{sv}", "Detach": "ssssa{sv}", "CNICall": "a{ss}s",
     "CheckSandboxes": "as", "ResetPodCIDRs": "", "NetworkCapacity": "s",
+    "WatchSandboxes": "",
 }
 # dbus-fast gives a signal's arguments no names; the contract's XML has them.
 SIGNAL_ARGS = {"AttachmentDrifted": ("sandbox_id", "network", "ifname", "reason"),
-               "AttachmentCheckChanged": ("sandbox_id", "network", "ifname", "state", "reason")}
+               "AttachmentCheckChanged": ("sandbox_id", "network", "ifname", "state", "reason"),
+               "SandboxChanged": ("sandbox_id", "change", "owner_uid", "attachments")}
 # Attach takes Setup's options but one network: `networks` and `pod` are Setup's.
 ATTACH_OPTIONS = ("args", "capabilities", "netns_fd")
 
@@ -193,6 +196,9 @@ class AgentInterface(ServiceInterface):
         self.callers = Callers(authorizer)
         # The bus's message handler: descriptors and strangers' rates (gate.py).
         self.gate = Gate(authorizer, self.callers.limits, SIGNATURES, OPTION_KEYS)
+        # WatchSandboxes' callers: every signal naming a sandbox goes to them alone.
+        self.watchers = Watchers(manager.journal.events, manager.journal.store.read_owner)
+        self.gate.on_signal = self.watchers.on_signal
         self._collecting: asyncio.TimerHandle | None = None
         self._shown = monitor.state
         pod_cidrs.subscribe(self.on_pod_cidrs)
@@ -288,32 +294,32 @@ class AgentInterface(ServiceInterface):
             log.info("PropertiesChanged not sent, the bus connection is gone: %s", e)
 
     def on_check(self, outcome: Outcome) -> None:
-        """Checks listener: AttachmentDrifted on each pass → fail transition of
-        the plugin's own CHECK (drift only, as since revision 2), and
-        AttachmentCheckChanged on every change of an attachment's check state
-        after its baseline and every repair's outcome."""
-        reason = wire_text(outcome.reason)
-        try:
-            if outcome.drifted and not outcome.repair:
-                self.AttachmentDrifted(outcome.sandbox_id, outcome.network, outcome.ifname,
-                                       reason)
-            if outcome.changed or outcome.repair:
-                self.AttachmentCheckChanged(outcome.sandbox_id, outcome.network, outcome.ifname,
-                                            str(outcome.verdict), reason)
-        except Exception as e:  # as for PropertiesChanged: the connection is gone
-            log.info("check signal not sent, the bus connection is gone: %s", e)
+        """Checks listener: AttachmentDrifted and AttachmentCheckChanged, unicast
+        to the watchers that may Show the sandbox (watchers.py; broadcast
+        before 0.2.0's interface revision 5)."""
+        self.watchers.check(outcome)
+
+    # The signals naming a sandbox: declared here for introspection only, never
+    # sent through dbus-fast (which would broadcast them); Watchers sends each
+    # to the callers of WatchSandboxes that may Show the sandbox.
 
     @signal()
     @signature("s", "s", "s", "s", returns="ssss")
     def AttachmentDrifted(self, sandbox_id: str, network: str, ifname: str,
                           reason: str) -> list[str]:
-        return [sandbox_id, network, ifname, reason]
+        raise NotImplementedError("unicast by Watchers.check")
 
     @signal()
     @signature("s", "s", "s", "s", "s", returns="sssss")
     def AttachmentCheckChanged(self, sandbox_id: str, network: str, ifname: str, state: str,
                                reason: str) -> list[str]:
-        return [sandbox_id, network, ifname, state, reason]
+        raise NotImplementedError("unicast by Watchers.check")
+
+    @signal()
+    @signature("s", "s", "u", "a(ssssas)", returns="ssua(ssssas)")
+    def SandboxChanged(self, sandbox_id: str, change: str, owner_uid: int,
+                       attachments: list[Any]) -> list[Any]:
+        raise NotImplementedError("unicast by Watchers.publish")
 
     # --- properties -------------------------------------------------------------------
 
@@ -471,6 +477,14 @@ class AgentInterface(ServiceInterface):
 
         result: str = await self._serve("CheckSandboxes", work)
         return result
+
+    @method()
+    @signature()
+    async def WatchSandboxes(self) -> None:
+        async def work(caller: Caller) -> None:
+            await self.watchers.add(self.gate.call.get().sender, caller)
+
+        await self._serve("WatchSandboxes", work)
 
     @method()
     @signature("s", "s", "s", "s", "a{sv}", returns="s")

@@ -136,6 +136,8 @@ class Gate:
         # (tarpit, held calls), and hands a held call to dbus-fast again.
         self.send: Callable[[Message], object] = lambda reply: None
         self.dispatch: Callable[[Message], object] = lambda msg: None
+        # Each signal the connection receives (watchers.py: a watcher left the bus).
+        self.on_signal: Callable[[Message], None] = lambda msg: None
         # Read by the method serving the call (a task copies the context at creation).
         self.call: ContextVar[CallInfo] = ContextVar(
             "cni_agent_call", default=CallInfo())  # noqa: B039 (frozen: immutable)
@@ -171,6 +173,8 @@ class Gate:
                 if not keep:
                     close_all(fds)
         if not is_call:
+            if msg.message_type is MessageType.SIGNAL:
+                self.on_signal(msg)
             return None
         wants_reply = not msg.flags & MessageFlag.NO_REPLY_EXPECTED
         ours = self._ours(msg)
