@@ -38,6 +38,8 @@ _LOCK_BUCKETS = (0.001, 0.01, 0.1, 0.5, 1, 5, 10, 30, 60)
 _OPERATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10,
                       30, 60, 120, 300)
 _M = TypeVar("_M", bound=MetricWrapperBase)
+# What the agent did with a DEL the shim queued while it was down (service/queued.py).
+QUEUED_OUTCOMES = ("done", "gone", "stale", "failed", "refused")
 
 
 def plugin_result(e: BaseException | None) -> str:
@@ -124,6 +126,14 @@ class Metrics:
             "cni_agent_shim_call_duration_seconds",
             "Wall time of one CNI call forwarded by cni-agent-shim, by command",
             ("command",), _OPERATION_BUCKETS)
+        self.queued_teardowns = Counter(
+            "cni_agent_queued_teardowns", "DELs cni-agent-shim queued while no agent ran, by "
+            "what the agent did with them: done (run), gone (nothing of their sandbox's "
+            "generation left), stale (the sandbox set up again since: dropped), failed (kept, "
+            "run again at the next start), refused (not root's, or unreadable: set aside)",
+            ("outcome",), registry=r)
+        for outcome in QUEUED_OUTCOMES:
+            self.queued_teardowns.labels(outcome)
         # The agent's own CPU, memory and descriptors (process_*), as the
         # default registry would have them.
         ProcessCollector(registry=r)
@@ -169,6 +179,9 @@ class Metrics:
         self.shim_calls.inc((command, "ok" if code == 0 else f"code_{code}"))
         if seconds is not None:
             self.shim_seconds.observe((command,), seconds)
+
+    def queued_teardown(self, outcome: str) -> None:
+        self.queued_teardowns.labels(outcome).inc()
 
     def plugin_run(self, plugin: str, verb: str, result: str, seconds: float) -> None:
         """One plugin execution: its time and its outcome."""

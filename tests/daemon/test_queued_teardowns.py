@@ -1,0 +1,226 @@
+"""Teardowns that don't wait for the agent (issue 47, item 4).
+
+A runtime's DEL through the real shim while no agent runs (stopped: its
+socket gone, no owner of its name on the private bus, no bus activation) is
+queued durably in the agent's state dir and answered as done; the agent runs
+it when it is back. Real bridge + host-local (their dataDir outside the state
+dir), real namespaces, the real built shim as libcni execs it.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import signal
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.agent import Agent
+from tests.support.net import allocations
+from tests.support.plugins import Control, wait_for
+from tests.support.shim import Reply, run_shim, shim_conf
+from tests.support.state import records as journal_records
+
+pytestmark = pytest.mark.root
+RUNTIME_NET = "rt-pods"
+
+
+def conf(agent: Agent, **extra: Any) -> dict[str, Any]:
+    """The shim's conflist entry as `cni-agent shim-config` writes it for this
+    agent (its state_dir is not the default one)."""
+    return shim_conf(RUNTIME_NET, network="pods", version="1.0.0",
+                     **{"stateDir": agent.config["state_dir"], "queueWhenDown": True, **extra})
+
+
+def shim(agent: Agent, command: str, cid: str, netns: str = "", config: dict[str, Any] | None = None
+         ) -> Reply:
+    """The shim as CRI-O execs it: the agent's socket, then the bus."""
+    return run_shim(agent.bus.address, command, config or conf(agent), cid=cid, netns=netns,
+                    socket=str(agent.shim_socket))
+
+
+def queued(agent: Agent) -> list[Path]:
+    return sorted(p for p in (Path(agent.config["state_dir"]) / "queue").glob("*")
+                  if not p.name.startswith("."))
+
+
+def ips(tmp_path: Path) -> list[str]:
+    return allocations(tmp_path / "ipam", "pods")
+
+
+def ip_of(reply: Reply) -> str:
+    assert reply.rc == 0, reply
+    return str(reply.out["ips"][0]["address"]).split("/")[0]
+
+
+def stop_pod(agent: Agent, cid: str, netns: str) -> Reply:
+    """CRI-O's StopPodSandbox: the CNI DEL, then the namespace goes."""
+    reply = shim(agent, "DEL", cid, netns)
+    subprocess.run(["ip", "netns", "del", Path(netns).name], check=True)
+    return reply
+
+
+@pytest.fixture
+def agent(make_agent: Callable[..., Agent], bridge_chain: str) -> Agent:
+    return make_agent()
+
+
+def test_a_del_with_the_agent_stopped_succeeds_at_once_and_the_address_goes_once_it_is_back(
+        agent: Agent, netns_factory: Callable[[], str], tmp_path: Path) -> None:
+    netns = netns_factory()
+    ip = ip_of(shim(agent, "ADD", "crio-1", netns))
+    assert ips(tmp_path) == [ip]
+    assert agent.stop() == 0
+    reply = stop_pod(agent, "crio-1", netns)
+    assert (reply.rc, reply.out) == (0, None), reply  # a DEL's success, at once
+    [request] = queued(agent)
+    assert request.stat().st_uid == 0 and request.stat().st_mode & 0o777 == 0o600
+    doc = json.loads(request.read_text())
+    assert doc["env"]["CNI_CONTAINERID"] == "crio-1" and doc["env"]["CNI_COMMAND"] == "DEL"
+    assert json.loads(doc["config"])["name"] == RUNTIME_NET
+    assert doc["netns"]["ino"] > 0
+    assert ips(tmp_path) == [ip]  # until the agent is back: the trade-off runtimes.md states
+    agent.start()
+    wait_for(lambda: not ips(tmp_path), timeout=30)
+    wait_for(lambda: not queued(agent), timeout=10)
+    assert "crio-1" not in journal_records(Path(agent.config["state_dir"]))
+    wait_for(lambda: "queued by cni-agent-shim" in agent.log() and "is done" in agent.log())
+    # The runtime's repeat of the DEL (it may retry) is a DEL of nothing: success.
+    assert shim(agent, "DEL", "crio-1").rc == 0
+
+
+def test_queue_when_down_false_keeps_the_del_failing_with_code_11(
+        agent: Agent, netns: str, tmp_path: Path) -> None:
+    ip = ip_of(shim(agent, "ADD", "crio-2", netns))
+    assert agent.stop() == 0
+    reply = shim(agent, "DEL", "crio-2", netns, conf(agent, queueWhenDown=False))
+    assert reply.rc == 1 and reply.code == 11, reply
+    assert "cni-agent is not running" in reply.out["msg"]
+    assert "queued" not in reply.out.get("details", "")
+    assert queued(agent) == [] and ips(tmp_path) == [ip]
+    agent.start()
+    assert shim(agent, "DEL", "crio-2", netns).rc == 0
+    assert ips(tmp_path) == []
+
+
+def test_no_del_is_queued_while_an_agent_holds_the_queue(
+        agent: Agent, netns: str, tmp_path: Path) -> None:
+    """An agent that runs but answers neither way (here: its socket and bus
+    name out of the shim's reach) holds the queue: the DEL fails as before,
+    saying so, and nothing is queued behind its back."""
+    ip_of(shim(agent, "ADD", "crio-3", netns))
+    reply = run_shim(agent.bus.address.replace("unix:path=", "unix:path=/nonexistent"), "DEL",
+                     conf(agent), cid="crio-3", netns=netns, socket="")
+    assert reply.rc == 1 and reply.code == 11, reply
+    assert "a cni-agent holds" in reply.out["details"], reply
+    assert queued(agent) == []
+
+
+def test_sigkill_during_the_drain_runs_the_del_exactly_once_and_the_file_goes(
+        agent: Agent, control: Control, netns_factory: Callable[[], str], tmp_path: Path) -> None:
+    netns = netns_factory()
+    ip_of(shim(agent, "ADD", "crio-4", netns))
+    assert agent.stop() == 0
+    assert stop_pod(agent, "crio-4", netns).rc == 0
+    control.reset_records()
+    control.set("DEL", "succeed", sleep=30)  # the drain's DEL is under way...
+    agent.start()
+    wait_for(lambda: "DEL" in control.commands(), timeout=30)
+    assert agent.stop(signal.SIGKILL) == -signal.SIGKILL  # ...when the agent is killed
+    assert len(queued(agent)) == 1  # not lost
+    control.clear("DEL")
+    agent.start()
+    wait_for(lambda: not ips(tmp_path), timeout=30)
+    wait_for(lambda: not queued(agent), timeout=10)
+    # The killed DEL, then once more: recovery finishes it (DEL is idempotent),
+    # and the queued request, bound to the generation now gone, is not run again.
+    wait_for(lambda: "was already done" in agent.log(), timeout=10)
+    assert control.commands().count("DEL") == 2, control.commands()
+    assert "crio-4" not in journal_records(Path(agent.config["state_dir"]))
+
+
+def test_a_setup_of_the_same_id_while_its_del_is_queued_runs_that_del_first(
+        agent: Agent, control: Control, netns_factory: Callable[[], str], tmp_path: Path) -> None:
+    """podman reuses ids: its next ADD of the id may come the moment the agent
+    is back. The queued DEL of the earlier pod runs first (the drain is busy
+    elsewhere, so it is the ADD that runs it): the new pod is set up, the old
+    address released, and the new pod's network is never torn down by it."""
+    slow, reused = netns_factory(), netns_factory()
+    ip_of(shim(agent, "ADD", "slow-1", slow))
+    old = ip_of(shim(agent, "ADD", "reused", reused))
+    assert agent.stop() == 0
+    assert stop_pod(agent, "slow-1", slow).rc == 0  # queued first: the drain starts with it
+    assert stop_pod(agent, "reused", reused).rc == 0
+    assert len(queued(agent)) == 2
+    control.reset_records()
+    control.set("DEL", "succeed", sleep=2)
+    agent.start()
+    again = netns_factory()
+    new = ip_of(shim(agent, "ADD", "reused", again))
+    records = [(r["command"], r["env"].get("CNI_CONTAINERID")) for r in control.records()]
+    assert records.index(("DEL", "reused")) < records.index(("ADD", "reused")), records
+    wait_for(lambda: not queued(agent), timeout=30)
+    assert ips(tmp_path) == [new] and old not in ips(tmp_path)
+    assert "reused" in journal_records(Path(agent.config["state_dir"]))
+    assert shim(agent, "CHECK", "reused", again).rc == 0
+
+
+def test_a_queued_del_bound_to_an_earlier_generation_is_dropped_as_stale(
+        agent: Agent, netns_factory: Callable[[], str], tmp_path: Path) -> None:
+    """A request bound to a generation the sandbox no longer has (a file a
+    power loss brought back after the id was set up again) is not run."""
+    netns = netns_factory()
+    ip = ip_of(shim(agent, "ADD", "crio-5", netns))
+    assert agent.stop() == 0
+    assert shim(agent, "DEL", "crio-5", netns).rc == 0
+    [request] = queued(agent)
+    request.rename(request.with_name(request.name + ".g999999"))
+    agent.start()
+    wait_for(lambda: not queued(agent), timeout=30)
+    wait_for(lambda: "the sandbox was set up again since" in agent.log(), timeout=10)
+    assert ips(tmp_path) == [ip]  # the pod set up now keeps its network
+    assert shim(agent, "CHECK", "crio-5", netns).rc == 0
+
+
+@pytest.fixture
+def small_state(tmp_path: Path) -> Iterator[Path]:
+    """A small tmpfs as the agent's state dir (as tests/faults/test_full_disk.py)."""
+    state = tmp_path / "state"
+    state.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(state)],
+                   check=True)
+    yield state
+    subprocess.run(["umount", "-l", str(state)], check=False)
+
+
+def fill(directory: Path) -> None:
+    with open(directory / "filler", "ab", buffering=0) as f:
+        for chunk in (1 << 20, 1 << 12, 1):
+            try:
+                while True:
+                    f.write(b"\0" * chunk)
+            except OSError as e:
+                assert e.errno == errno.ENOSPC, e
+
+
+def test_a_full_disk_when_queuing_fails_the_del_as_before_with_the_reason(
+        small_state: Path, make_agent: Callable[..., Agent], bridge_chain: str, netns: str,
+        tmp_path: Path) -> None:
+    agent = make_agent()
+    ip = ip_of(shim(agent, "ADD", "crio-6", netns))
+    assert agent.stop() == 0
+    fill(small_state)
+    reply = shim(agent, "DEL", "crio-6", netns)
+    assert reply.rc == 1 and reply.code == 11, reply
+    assert "cni-agent is not running" in reply.out["msg"]
+    assert "could not be queued" in reply.out["details"], reply
+    assert "No space left on device" in reply.out["details"], reply
+    assert queued(agent) == [] and ips(tmp_path) == [ip]
+    (small_state / "filler").unlink()
+    agent.start()
+    assert shim(agent, "DEL", "crio-6", netns).rc == 0  # the runtime's retry
+    assert ips(tmp_path) == []
