@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import signal
 import subprocess
 from collections.abc import Callable, Iterator
@@ -224,3 +225,20 @@ def test_a_full_disk_when_queuing_fails_the_del_as_before_with_the_reason(
     agent.start()
     assert shim(agent, "DEL", "crio-6", netns).rc == 0  # the runtime's retry
     assert ips(tmp_path) == []
+
+
+def test_a_queued_del_that_is_not_roots_is_set_aside_never_run(
+        agent: Agent, netns: str, tmp_path: Path) -> None:
+    """A runtime's CNI call that changes something is root's alone: a file in
+    the queue owned by another uid (who asked) is not run, and is kept for a
+    person as `.bad`."""
+    ip = ip_of(shim(agent, "ADD", "crio-7", netns))
+    assert agent.stop() == 0
+    assert shim(agent, "DEL", "crio-7", netns).rc == 0
+    [request] = queued(agent)
+    os.chown(request, 65534, 65534)
+    agent.start()
+    wait_for(lambda: [p.suffix for p in queued(agent)] == [".bad"], timeout=30)
+    wait_for(lambda: "only root's DELs are run" in agent.log())
+    assert ips(tmp_path) == [ip]
+    assert shim(agent, "CHECK", "crio-7", netns).rc == 0

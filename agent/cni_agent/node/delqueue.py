@@ -157,11 +157,22 @@ def _sync_dir(directory: str) -> None:
 
 def bind(q: Queued, generation: int) -> Queued:
     """`q` bound to `generation`, durably (rename, fsync of the directory). Blocking."""
-    directory = os.path.dirname(q.path)
-    path = os.path.join(directory, f"{q.name}.g{generation}")
-    os.rename(q.path, path)
-    _sync_dir(directory)
-    return replace(q, path=path, generation=generation)
+    [bound] = bind_all([(q, generation)])
+    return bound
+
+
+def bind_all(items: list[tuple[Queued, int]]) -> list[Queued]:
+    """Each `q` bound to its generation: renamed, then one fsync of the directory. Blocking."""
+    out, directories = [], set()
+    for q, generation in items:
+        directory = os.path.dirname(q.path)
+        path = os.path.join(directory, f"{q.name}.g{generation}")
+        os.rename(q.path, path)
+        directories.add(directory)
+        out.append(replace(q, path=path, generation=generation))
+    for directory in directories:
+        _sync_dir(directory)
+    return out
 
 
 def remove(q: Queued) -> None:

@@ -132,6 +132,7 @@ class Daemon:
             log.critical("%s", self._fatal)
             self._stop.set()
             return
+        await self.core.queued.bind()
         try:
             report = await self.reaper.recover()
         except Exception:

@@ -72,6 +72,25 @@ class QueuedTeardowns:
             log.info("%d DEL(s) of %d sandbox(es) were queued by cni-agent-shim while no agent "
                      "ran; they run once recovery is over", len(items), len(self._pending))
 
+    async def bind(self) -> None:
+        """The journal is replayed, recovery not begun: each DEL is bound to
+        the generation its sandbox had when the agent before stopped, the one
+        the runtime's DEL was for (what recovery and reaping then do to it
+        makes the DEL `gone`, never run twice)."""
+        todo = [(q, self.store.generation(q.sandbox_id)) for items in self._pending.values()
+                 for q in items if q.generation is None and not q.error and q.uid == 0]
+        if not todo:
+            return
+        try:
+            bound = await asyncio.to_thread(delqueue.bind_all, todo)
+        except OSError as e:
+            log.warning("the queued DELs could not be bound to their generations now (each is "
+                        "bound before it runs): %s", e)
+            return
+        by_path = {old.path: new for (old, _), new in zip(todo, bound, strict=True)}
+        for sandbox_id, items in self._pending.items():
+            self._pending[sandbox_id] = [by_path.get(q.path, q) for q in items]
+
     def start(self) -> None:
         """Recovery is over: drain the queue in the background."""
         if self._pending and self._drain is None:
