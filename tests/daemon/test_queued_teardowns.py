@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.agent import Agent
 from tests.support.net import allocations
@@ -65,9 +66,19 @@ def stop_pod(agent: Agent, cid: str, netns: str) -> Reply:
     return reply
 
 
+def outcomes(agent: Agent) -> dict[str, float]:
+    """cni_agent_queued_teardowns_total by outcome, scraped from the agent's /metrics."""
+    sock = agent.config["http"]["listen"].removeprefix("unix:")
+    out = subprocess.run(["curl", "-sf", "--max-time", "10", "--unix-socket", sock,
+                          "http://agent/metrics"], capture_output=True, text=True, check=True)
+    return {s.labels["outcome"]: s.value
+            for fam in text_string_to_metric_families(out.stdout)
+            for s in fam.samples if s.name == "cni_agent_queued_teardowns_total"}
+
+
 @pytest.fixture
-def agent(make_agent: Callable[..., Agent], bridge_chain: str) -> Agent:
-    return make_agent()
+def agent(make_agent: Callable[..., Agent], bridge_chain: str, tmp_path: Path) -> Agent:
+    return make_agent(http={"listen": f"unix:{tmp_path / 'metrics.sock'}"})
 
 
 def test_a_del_with_the_agent_stopped_succeeds_at_once_and_the_address_goes_once_it_is_back(
@@ -90,6 +101,7 @@ def test_a_del_with_the_agent_stopped_succeeds_at_once_and_the_address_goes_once
     wait_for(lambda: not queued(agent), timeout=10)
     assert "crio-1" not in journal_records(Path(agent.config["state_dir"]))
     wait_for(lambda: "queued by cni-agent-shim" in agent.log() and "is done" in agent.log())
+    assert outcomes(agent) == {"done": 1, "gone": 0, "stale": 0, "failed": 0, "refused": 0}
     # The runtime's repeat of the DEL (it may retry) is a DEL of nothing: success.
     assert shim(agent, "DEL", "crio-1").rc == 0
 
@@ -141,6 +153,7 @@ def test_sigkill_during_the_drain_runs_the_del_exactly_once_and_the_file_goes(
     # and the queued request, bound to the generation now gone, is not run again.
     wait_for(lambda: "was already done" in agent.log(), timeout=10)
     assert control.commands().count("DEL") == 2, control.commands()
+    assert outcomes(agent)["gone"] == 1 and outcomes(agent)["done"] == 0
     assert "crio-4" not in journal_records(Path(agent.config["state_dir"]))
 
 
@@ -183,6 +196,7 @@ def test_a_queued_del_bound_to_an_earlier_generation_is_dropped_as_stale(
     agent.start()
     wait_for(lambda: not queued(agent), timeout=30)
     wait_for(lambda: "the sandbox was set up again since" in agent.log(), timeout=10)
+    assert outcomes(agent)["stale"] == 1 and outcomes(agent)["done"] == 0
     assert ips(tmp_path) == [ip]  # the pod set up now keeps its network
     assert shim(agent, "CHECK", "crio-5", netns).rc == 0
 
