@@ -256,3 +256,29 @@ def test_a_queued_del_that_is_not_roots_is_set_aside_never_run(
     wait_for(lambda: "only root's DELs are run" in agent.log())
     assert ips(tmp_path) == [ip]
     assert shim(agent, "CHECK", "crio-7", netns).rc == 0
+
+
+def test_a_queued_del_that_fails_is_kept_and_run_again_at_the_next_start(
+        agent: Agent, control: Control, netns_factory: Callable[[], str], tmp_path: Path) -> None:
+    """A plugin's failure of the queued DEL does not lose it: the file stays
+    (bound to its generation) and the next start finishes the removal."""
+    netns = netns_factory()
+    ip_of(shim(agent, "ADD", "crio-8", netns))
+    assert agent.stop() == 0
+    assert stop_pod(agent, "crio-8", netns).rc == 0
+    control.set("DEL", "fail", code=11, msg="the plugin's backend is away")
+    agent.start()
+    wait_for(lambda: "its file is kept and run again at the next start" in agent.log(), timeout=30)
+    assert outcomes(agent)["failed"] == 1
+    [kept] = queued(agent)
+    assert ".g" in kept.name  # bound: never the DEL of a later set-up of the id
+    assert ips(tmp_path) != []
+    assert agent.stop() == 0
+    control.clear("DEL")
+    agent.start()
+    wait_for(lambda: not ips(tmp_path), timeout=30)
+    wait_for(lambda: not queued(agent), timeout=10)
+    # Recovery finishes the removal the failed DEL left (the sandbox was
+    # "tearing-down"), and the queued DEL is then found done.
+    wait_for(lambda: sum(outcomes(agent).values()) == 1)
+    assert outcomes(agent)["gone"] + outcomes(agent)["done"] == 1
