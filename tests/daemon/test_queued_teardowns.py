@@ -282,3 +282,35 @@ def test_a_queued_del_that_fails_is_kept_and_run_again_at_the_next_start(
     # "tearing-down"), and the queued DEL is then found done.
     wait_for(lambda: sum(outcomes(agent).values()) == 1)
     assert outcomes(agent)["gone"] + outcomes(agent)["done"] == 1
+
+
+@pytest.mark.parametrize(("extra", "queues"), [
+    ({}, True),  # absent: true
+    ({"queueWhenDown": False}, False),
+    ({"queueWhenDown": True}, True),
+    # Only the top-level key counts: the runtime's own config nested anywhere is not it.
+    ({"runtimeConfig": {"queueWhenDown": False, "x": "\"queueWhenDown\": false"}}, True),
+    ({"args": {"cni": {"queueWhenDown": False}}, "queueWhenDown": True}, True),
+])
+def test_the_shim_reads_queue_when_down_from_its_own_entry_only(
+        tmp_path: Path, extra: dict[str, Any], queues: bool) -> None:
+    """No agent at all (no socket, no bus): the C shim's look at its conflist."""
+    state = tmp_path / "state"
+    state.mkdir()
+    config = shim_conf(RUNTIME_NET, network="pods", stateDir=str(state), **extra)
+    reply = run_shim(f"unix:path={tmp_path}/no-bus", "DEL", config, cid="c1", socket="")
+    files = list((state / "queue").glob("*.del")) if (state / "queue").exists() else []
+    if queues:
+        assert (reply.rc, reply.out, len(files)) == (0, None, 1), reply
+        doc = json.loads(files[0].read_text())
+        assert json.loads(doc["config"]) == config  # stdin, byte for byte as JSON
+    else:
+        assert reply.rc == 1 and reply.code == 11 and files == [], reply
+
+
+def test_a_state_dir_the_shim_cannot_use_fails_the_del_as_before(tmp_path: Path) -> None:
+    for state_dir in ("relative/dir", str(tmp_path / "no\\\"where"), str(tmp_path / "absent")):
+        reply = run_shim(f"unix:path={tmp_path}/no-bus", "DEL",
+                         shim_conf(RUNTIME_NET, stateDir=state_dir), cid="c1", socket="")
+        assert reply.rc == 1 and reply.code == 11, (state_dir, reply)
+    assert "cannot create" in reply.out["details"] and "absent/queue" in reply.out["details"]
