@@ -314,3 +314,34 @@ def test_a_state_dir_the_shim_cannot_use_fails_the_del_as_before(tmp_path: Path)
                          shim_conf(RUNTIME_NET, stateDir=state_dir), cid="c1", socket="")
         assert reply.rc == 1 and reply.code == 11, (state_dir, reply)
     assert "cannot create" in reply.out["details"] and "absent/queue" in reply.out["details"]
+
+
+def test_a_queued_del_of_a_record_from_before_generations_is_run(
+        agent: Agent, netns_factory: Callable[[], str], tmp_path: Path) -> None:
+    """The journal an agent before generations wrote: its record has none.
+    The DEL queued for it is run (the record gets a generation first), not
+    taken for another set-up of the id."""
+    from cni_agent.node.applog import frame, unframe
+
+    netns = netns_factory()
+    ip_of(shim(agent, "ADD", "crio-9", netns))
+    assert agent.stop() == 0
+    journal = Path(agent.config["state_dir"]) / "journal"
+    assert not list(journal.glob("snapshot-*"))
+    for segment in journal.glob("log-*"):
+        lines = []
+        for line in segment.read_bytes().splitlines():
+            payload = unframe(line)
+            assert payload is not None
+            doc = json.loads(payload)
+            assert isinstance(doc, dict)
+            doc.pop("generation", None)
+            lines.append(frame(json.dumps(doc).encode()))
+        segment.write_bytes(b"".join(lines))
+    assert all("generation" not in r for r in journal_records(Path(agent.config["state_dir"]))
+               .values())
+    assert stop_pod(agent, "crio-9", netns).rc == 0
+    agent.start()
+    wait_for(lambda: not ips(tmp_path), timeout=30)
+    wait_for(lambda: not queued(agent), timeout=10)
+    wait_for(lambda: outcomes(agent)["done"] == 1)

@@ -78,4 +78,10 @@ async def test_a_journal_without_generations_reads_with_generation_0(tmp_path: P
     assert store.read("old") is not None and store.generation("old") == 0
     store.write(_record("new"))
     assert store.generation("new") == 1
+    # A queued DEL names it: it gets a generation now (and keeps it).
+    assert store.stamp("old") == 2 and store.stamp("old") == 2
+    assert store.stamp("absent") == 0
     store.shutdown()
+    again = _open(tmp_path)
+    assert again.generation("old") == 2
+    again.shutdown()

@@ -337,6 +337,17 @@ class SandboxStore:
         rec = self._records.get(sandbox_id)
         return rec.generation if rec is not None else 0
 
+    def stamp(self, sandbox_id: str) -> int:
+        """The sandbox's generation, giving its record one first if it has
+        none (written before generations): written, durable with the next
+        `commit`. 0 when it has no record. CacheError when the disk refuses."""
+        rec = self._records.get(sandbox_id)
+        if rec is None:
+            return 0
+        if not rec.generation:
+            self.write(rec)
+        return self.generation(sandbox_id)
+
     def _carried(self, record: SandboxRecord) -> SandboxRecord:
         """`record` with the generation of the record it changes."""
         if record.generation:

@@ -77,13 +77,17 @@ class QueuedTeardowns:
         the generation its sandbox had when the agent before stopped, the one
         the runtime's DEL was for (what recovery and reaping then do to it
         makes the DEL `gone`, never run twice)."""
-        todo = [(q, self.store.generation(q.sandbox_id)) for items in self._pending.values()
-                 for q in items if q.generation is None and not q.error and q.uid == 0]
-        if not todo:
+        unbound = [q for items in self._pending.values() for q in items
+                   if q.generation is None and not q.error and q.uid == 0]
+        if not unbound:
             return
         try:
+            # A record from before generations gets one now, durably, before a
+            # file names it: a later write of it must not look like another set-up.
+            todo = [(q, self.store.stamp(q.sandbox_id)) for q in unbound]
+            await self.store.commit()
             bound = await asyncio.to_thread(delqueue.bind_all, todo)
-        except OSError as e:
+        except (OSError, CacheError) as e:
             log.warning("the queued DELs could not be bound to their generations now (each is "
                         "bound before it runs): %s", e)
             return
@@ -158,9 +162,11 @@ class QueuedTeardowns:
             log.error("a DEL queued by cni-agent-shim is not run: %s; kept as %s", why, where)
             return "refused"
         sandbox_id = q.sandbox_id
+        if q.generation is None:  # not bound at start-up (the disk refused then)
+            generation = self.store.stamp(sandbox_id)
+            await self.store.commit()
+            q = await asyncio.to_thread(delqueue.bind, q, generation)
         current = self.store.generation(sandbox_id)
-        if q.generation is None:
-            q = await asyncio.to_thread(delqueue.bind, q, current)
         if q.generation != current:
             await asyncio.to_thread(delqueue.remove, q)
             if self.store.read(sandbox_id) is not None:
