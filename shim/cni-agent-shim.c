@@ -563,6 +563,10 @@ static const char *json_member(const char *json, const char *key) {
 static void queue_prepare(const char *command, const char *config) {
     if (!command || strcmp(command, "DEL"))
         return;
+    const char *start = config + strspn(config, " \t\r\n");
+    const char *end = *start == '{' ? json_skip(start) : NULL;
+    if (!end || end[strspn(end, " \t\r\n")])
+        return; /* not one JSON object: the agent would refuse it, so it fails now */
     const char *off = json_member(config, "queueWhenDown");
     if (off && !strncmp(off, "false", 5))
         return;

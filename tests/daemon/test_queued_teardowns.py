@@ -345,3 +345,14 @@ def test_a_queued_del_of_a_record_from_before_generations_is_run(
     wait_for(lambda: not ips(tmp_path), timeout=30)
     wait_for(lambda: not queued(agent), timeout=10)
     wait_for(lambda: outcomes(agent)["done"] == 1)
+
+
+def test_a_config_that_is_not_one_json_object_is_not_queued(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    good = json.dumps(shim_conf(RUNTIME_NET, stateDir=str(state)))
+    for config in (good[:-1], good + "}", "[" + good + "]", good + " x"):
+        reply = run_shim(f"unix:path={tmp_path}/no-bus", "DEL", config, cid="c1", socket="")
+        assert reply.rc == 1 and reply.code == 11, (config, reply)
+    assert not list(state.glob("queue/*.del"))
+    assert run_shim(f"unix:path={tmp_path}/no-bus", "DEL", good + "\n", cid="c1", socket="").rc == 0

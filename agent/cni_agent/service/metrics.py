@@ -130,7 +130,8 @@ class Metrics:
             "cni_agent_queued_teardowns", "DELs cni-agent-shim queued while no agent ran, by "
             "what the agent did with them: done (run), gone (nothing of their sandbox's "
             "generation left), stale (the sandbox set up again since: dropped), failed (kept, "
-            "run again at the next start), refused (not root's, or unreadable: set aside)",
+            "run again at the next start), refused (not root's, unreadable, or a request refused as "
+            "such: set aside)",
             ("outcome",), registry=r)
         for outcome in QUEUED_OUTCOMES:
             self.queued_teardowns.labels(outcome)

@@ -35,7 +35,12 @@ import time
 from collections.abc import Callable
 from contextvars import ContextVar
 
-from cni_agent.cni.errors import CacheError
+from cni_agent.cni.errors import (
+    CODE_DECODE_FAILURE,
+    CODE_INCOMPATIBLE_VERSION,
+    CODE_INVALID_ENV,
+    CacheError,
+)
 from cni_agent.cni.logctx import log_fields
 from cni_agent.node import delqueue
 from cni_agent.node.delqueue import Queued
@@ -44,6 +49,10 @@ from cni_agent.sandboxes.store import SandboxStore
 from cni_agent.service.cnicall import ShimCalls
 
 log = logging.getLogger(__name__)
+
+# CNI codes that refuse the request itself (incompatible version, bad
+# variables, undecodable config): running it again changes nothing.
+REFUSED_CODES = frozenset({CODE_INCOMPATIBLE_VERSION, CODE_INVALID_ENV, CODE_DECODE_FAILURE})
 
 # The sandbox whose queued DELs the current task runs: its own calls go through.
 _running: ContextVar[str | None] = ContextVar("cni_agent_queued_running", default=None)
@@ -182,6 +191,11 @@ class QueuedTeardowns:
                                                                 q.netns):
             env["CNI_NETNS"] = ""  # gone, or another namespace now: DEL without one
         answer = await self.shim.handle(env, q.config)
+        if answer.code in REFUSED_CODES:  # the request itself: it never will succeed
+            where = await asyncio.to_thread(delqueue.set_aside, q)
+            log.error("a DEL of %s/%s queued while the agent was down is refused, kept as %s: "
+                      "%s", sandbox_id, q.ifname, where, _message(answer.output))
+            return "refused"
         if answer.exit_status != 0:
             log.error("a DEL of %s/%s queued while the agent was down failed; its file is kept "
                       "and run again at the next start: %s", sandbox_id, q.ifname,
