@@ -35,12 +35,16 @@
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/time.h>
+#include <time.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -211,6 +215,8 @@ static int is(const char *name, const char *which) {
     return !strcmp(name, which);
 }
 
+static int agent_down(const char *msg, const char *details);
+
 /* A failed call, as the CNI error a runtime acts on: `name` and `message` are
  * the bus's or the agent's error (the same names on both ways), `r` the
  * negative errno. "details" carries them, so that the runtime's log says what
@@ -230,9 +236,9 @@ static int call_failed(const char *name, const char *message, int r) {
         || is(name, "org.freedesktop.DBus.Error.Spawn.Failed")
         /* Activation that did not finish in time: the agent is (re)starting. */
         || is(name, "org.freedesktop.DBus.Error.TimedOut"))
-        return cni_error(CODE_TRY_AGAIN_LATER, not_running, details);
+        return agent_down(not_running, details);
     if (is(name, "org.freedesktop.systemd1.UnitMasked"))
-        return cni_error(CODE_TRY_AGAIN_LATER, masked, details);
+        return agent_down(masked, details);
     if (is(name, AGENT_IFACE ".Error.NotReady") || is(name, AGENT_IFACE ".Error.Busy")
         || is(name, AGENT_IFACE ".Error.ShuttingDown"))
         return cni_error(CODE_TRY_AGAIN_LATER, message, "");
@@ -445,7 +451,7 @@ static int call_bus(const char *config) {
         snprintf(details, sizeof details, "cannot connect to the system bus at %s: %s",
                  address && *address ? address : "unix:path=/run/dbus/system_bus_socket",
                  strerror(-r));
-        return cni_error(CODE_TRY_AGAIN_LATER, not_running, details);
+        return agent_down(not_running, details);
     }
 
     r = sd.new_method_call(bus, &call, AGENT_NAME, AGENT_PATH, AGENT_IFACE, "CNICall");
@@ -479,6 +485,258 @@ static int call_bus(const char *config) {
     return answered(status, output, strlen(output));
 }
 
+/* --- the queue: a DEL while no agent runs (queueWhenDown) -------------------------------
+ *
+ * A DEL that reaches no agent (neither its socket nor the bus: not running,
+ * masked, activation failed or timed out) is written to the agent's queue,
+ * STATE_DIR/queue/, one file per request, and answered as done: the agent runs
+ * it when it starts (docs/reliability.md, "Teardowns queued while the agent is
+ * down"). Unless the network's conflist says "queueWhenDown": false; its
+ * "stateDir" names the agent's state_dir when it is not the default.
+ *
+ * Only while no agent holds the queue: the agent holds queue/.lock (LOCK_EX)
+ * from before it lists the queue until it exits, and the shim writes under
+ * LOCK_SH (shims queue side by side, never while an agent runs). So every file
+ * is older than the agent that drains it. Written as libcni's cache is not:
+ * a temporary file, fsync, rename, fsync of the directory; the file's owner
+ * is who asked. Whatever fails, the DEL fails as before, the reason said. */
+
+#define STATE_DIR "/var/lib/cni-agent"
+#define QUEUE_DIR "queue"
+#define QUEUE_LOCK ".lock"
+
+static const char *queued_config; /* the DEL's stdin when it may be queued; else NULL */
+static char queue_state_dir[4096] = STATE_DIR;
+
+/* Past one JSON value at p (whitespace skipped before it); NULL if it is not one. */
+static const char *json_skip(const char *p) {
+    int depth = 0;
+    p += strspn(p, " \t\r\n");
+    do {
+        if (*p == '"') {
+            for (p++; *p && *p != '"'; p++)
+                if (*p == '\\' && !*++p)
+                    return NULL;
+            if (!*p++)
+                return NULL;
+        } else if (*p == '{' || *p == '[') {
+            depth++, p++;
+        } else if (*p == '}' || *p == ']') {
+            if (--depth < 0)
+                return NULL;
+            p++;
+        } else if (*p == ',' || *p == ':' || *p == ' ' || *p == '\t' || *p == '\r' || *p == '\n') {
+            if (!depth)
+                return NULL;
+            p++;
+        } else if (*p) {
+            p += strcspn(p, ",:]} \t\r\n\"{[");
+        } else {
+            return NULL;
+        }
+    } while (depth);
+    return p;
+}
+
+/* The value of a top-level `key` of the JSON object `json` (its first byte), or NULL. */
+static const char *json_member(const char *json, const char *key) {
+    const char *p = json + strspn(json, " \t\r\n"), *found = NULL;
+    size_t n = strlen(key);
+    if (*p++ != '{')
+        return NULL;
+    for (;;) {
+        p += strspn(p, " \t\r\n");
+        if (*p == '}')
+            return found;
+        const char *name = p;
+        if (*p != '"' || !(p = json_skip(p)))
+            return NULL;
+        int match = (size_t)(p - name) == n + 2 && !strncmp(name + 1, key, n);
+        p += strspn(p, " \t\r\n");
+        if (*p++ != ':')
+            return NULL;
+        p += strspn(p, " \t\r\n");
+        if (match)
+            found = p; /* the last one wins, as Go's encoding/json */
+        if (!(p = json_skip(p)))
+            return NULL;
+        p += strspn(p, " \t\r\n");
+        if (*p == ',')
+            p++;
+        else if (*p != '}')
+            return NULL;
+    }
+}
+
+/* Whether this call may be queued: a DEL whose network did not turn it off;
+ * and where (the conflist's "stateDir": a plain absolute path, no escapes). */
+static void queue_prepare(const char *command, const char *config) {
+    if (!command || strcmp(command, "DEL"))
+        return;
+    const char *start = config + strspn(config, " \t\r\n");
+    const char *end = *start == '{' ? json_skip(start) : NULL;
+    if (!end || end[strspn(end, " \t\r\n")])
+        return; /* not one JSON object: the agent would refuse it, so it fails now */
+    const char *off = json_member(config, "queueWhenDown");
+    if (off && !strncmp(off, "false", 5))
+        return;
+    const char *dir = json_member(config, "stateDir");
+    if (dir && *dir == '"') {
+        size_t n = strcspn(dir + 1, "\"\\");
+        if (dir[1 + n] != '"' || dir[1] != '/' || n >= sizeof queue_state_dir - 32)
+            return; /* not a path the shim can use: not queued, the DEL fails as before */
+        memcpy(queue_state_dir, dir + 1, n);
+        queue_state_dir[n] = '\0';
+    }
+    queued_config = config;
+}
+
+static void json_put(FILE *f, const char *text) {
+    fputc('"', f);
+    for (const unsigned char *p = (const unsigned char *)text; *p; p++) {
+        if (*p == '"' || *p == '\\')
+            fprintf(f, "\\%c", *p);
+        else if (*p < 0x20 || *p == 0x7F)
+            fprintf(f, "\\u%04x", *p);
+        else
+            fputc(*p, f); /* valid UTF-8: checked in main */
+    }
+    fputc('"', f);
+}
+
+/* The queued request: the call as the agent would have received it, and the
+ * identity of its namespace file now (the agent uses the path only if it is
+ * still that namespace). */
+static char *queue_request(size_t *len) {
+    char *buf = NULL;
+    FILE *f = open_memstream(&buf, len);
+    if (!f)
+        return NULL;
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    fprintf(f, "{\"version\":1,\"queued\":%lld.%09ld,\"env\":{", (long long)now.tv_sec, now.tv_nsec);
+    int first = 1;
+    for (char **e = environ; *e; e++) {
+        if (!forwarded(*e))
+            continue;
+        const char *eq = strchr(*e, '=');
+        char *key = strndup(*e, (size_t)(eq - *e));
+        if (!key) {
+            fclose(f);
+            free(buf);
+            return NULL;
+        }
+        fputs(first ? "" : ",", f);
+        json_put(f, key);
+        fputc(':', f);
+        json_put(f, eq + 1);
+        free(key);
+        first = 0;
+    }
+    fputs("},\"config\":", f);
+    json_put(f, queued_config);
+    const char *netns = getenv("CNI_NETNS");
+    struct stat st;
+    if (netns && *netns && stat(netns, &st) == 0)
+        fprintf(f, ",\"netns\":{\"dev\":%llu,\"ino\":%llu}", (unsigned long long)st.st_dev,
+                (unsigned long long)st.st_ino);
+    fputs("}\n", f);
+    if (fclose(f)) {
+        free(buf);
+        return NULL;
+    }
+    return buf;
+}
+
+/* Write `data` to `dir`/`name` durably: a temporary file, fsync, rename,
+ * fsync of the directory. 0, or the errno. */
+static int queue_write(int dir, const char *name, const char *data, size_t len) {
+    char tmp[64];
+    snprintf(tmp, sizeof tmp, ".tmp-%ld", (long)getpid());
+    int fd = openat(dir, tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
+    if (fd < 0)
+        return errno;
+    int err = 0;
+    for (const char *p = data; len && !err;) {
+        ssize_t n = write(fd, p, len);
+        if (n < 0 && errno != EINTR)
+            err = errno;
+        else if (n > 0)
+            p += n, len -= (size_t)n;
+    }
+    if (!err && fsync(fd))
+        err = errno;
+    if (close(fd) && !err)
+        err = errno;
+    if (!err && renameat(dir, tmp, dir, name))
+        err = errno;
+    if (err) {
+        unlinkat(dir, tmp, 0);
+        return err;
+    }
+    return fsync(dir) ? errno : 0;
+}
+
+/* Queue the DEL: 0 when it is durably queued, else the errno with `why` saying what failed. */
+static int queue_del(char *why, size_t size) {
+    char path[4200];
+    snprintf(path, sizeof path, "%s/" QUEUE_DIR, queue_state_dir);
+    if (mkdir(path, 0700) && errno != EEXIST) {
+        int err = errno;
+        snprintf(why, size, "cannot create %s: %s", path, strerror(err));
+        return err;
+    }
+    int dir = open(path, O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NOFOLLOW);
+    if (dir < 0) {
+        int err = errno;
+        snprintf(why, size, "cannot open %s: %s", path, strerror(err));
+        return err;
+    }
+    int lock = openat(dir, QUEUE_LOCK, O_RDONLY | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
+    if (lock < 0 || flock(lock, LOCK_SH | LOCK_NB)) {
+        int err = errno;
+        if (err == EWOULDBLOCK)
+            snprintf(why, size, "a cni-agent holds %s/" QUEUE_LOCK " (it runs, but did not answer)",
+                     path);
+        else
+            snprintf(why, size, "cannot lock %s/" QUEUE_LOCK ": %s", path, strerror(err));
+        if (lock >= 0)
+            close(lock);
+        close(dir);
+        return err;
+    }
+    size_t len = 0;
+    char *data = queue_request(&len);
+    int err = data ? 0 : ENOMEM;
+    if (data) {
+        /* Named in arrival order: the agent runs a sandbox's in this order. */
+        struct timespec now;
+        char name[64];
+        clock_gettime(CLOCK_REALTIME, &now);
+        snprintf(name, sizeof name, "%020lld%09ld-%ld.del", (long long)now.tv_sec, now.tv_nsec,
+                 (long)getpid());
+        err = queue_write(dir, name, data, len);
+        free(data);
+    }
+    if (err)
+        snprintf(why, size, "cannot write to %s: %s", path, strerror(err));
+    close(lock); /* released only now: the request is durable */
+    close(dir);
+    return err;
+}
+
+/* No agent answers: a DEL is queued (and succeeds), or the call fails as it is. */
+static int agent_down(const char *msg, const char *details) {
+    if (!queued_config)
+        return cni_error(CODE_TRY_AGAIN_LATER, msg, details);
+    char why[4608], more[5760];
+    if (!queue_del(why, sizeof why))
+        return 0; /* a DEL's success: no output */
+    snprintf(more, sizeof more, "%s; the DEL could not be queued for the agent's next start: %s",
+             details, why);
+    return cni_error(CODE_TRY_AGAIN_LATER, msg, more);
+}
+
 int main(void) {
     size_t len = 0;
 
@@ -504,6 +762,7 @@ int main(void) {
     if (!utf8)
         return cni_error(CODE_INTERNAL, not_utf8, strerror(EINVAL));
 
+    queue_prepare(command, config);
     const char *path = getenv(SOCKET_ENV);
     if (!path)
         path = SOCKET_PATH;

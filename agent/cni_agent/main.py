@@ -15,7 +15,7 @@ from cni_agent.cli.commands import main as commands
 
 def main(argv: Sequence[str] | None = None) -> int:
     return commands(argv, run_daemon=run_daemon, run_config=run_config,
-                    read_capabilities=read_capabilities)
+                    read_capabilities=read_capabilities, read_state_dir=read_state_dir)
 
 
 def run_daemon(config: str | None, bus: str | None) -> int:
@@ -36,3 +36,10 @@ def read_capabilities(config: str | None, network: str) -> tuple[frozenset[str] 
     from cni_agent.offline.capabilities import network_capabilities
 
     return network_capabilities(config, network)
+
+
+def read_state_dir(config: str | None) -> tuple[str | None, str]:
+    """`cni-agent shim-config`: the agent's state_dir (where the shim queues DELs), read offline."""
+    from cni_agent.offline.capabilities import state_dir
+
+    return state_dir(config)

@@ -159,6 +159,30 @@ def test_the_agent_and_the_runtime_restart_between_run_and_stop(node: Node) -> N
     node.cri.remove(sandbox)
 
 
+def test_a_stop_while_the_agent_is_down_succeeds_and_the_address_goes_once_it_is_back(
+        node: Node) -> None:
+    """The runtime's StopPodSandbox while the agent is stopped: the shim queues
+    the DEL (queueWhenDown, in the conflist shim-config wrote) and the stop
+    succeeds at once, instead of failing until the agent is back; the agent
+    runs the DEL when it starts (issue 47, item 4)."""
+    sandbox = node.cri.run(Pod("web", port_mappings=[PortMapping(80, 18249)]))
+    ip = node.cri.status(sandbox).ip
+    assert json.loads(node.shim_conflist())["plugins"][0]["queueWhenDown"] is True
+    assert node.agent.stop() == 0
+    node.cri.stop(sandbox)
+    assert not node.cri.status(sandbox).ready
+    queue = Path(node.agent.config["state_dir"]) / "queue"
+    assert [p.suffix for p in queue.glob("*.del")] == [".del"]
+    assert node.allocations() == [ip]  # until the agent is back (docs/runtimes.md)
+    node.agent.start()
+    until(lambda: node.allocations() == [], 30)
+    until(lambda: not list(queue.glob("*.del*")), 10)
+    assert node.cli("list").split() == []
+    assert "--dport 18249" not in dnat_rules()
+    node.cri.remove(sandbox)
+    assert node.cri.sandboxes() == []
+
+
 def test_twenty_pods_at_once(node: Node) -> None:
     pods = [Pod(f"pod-{i}") for i in range(20)]
     with ThreadPoolExecutor(len(pods)) as pool:

@@ -114,7 +114,7 @@ def test_without_network_the_agents_default_networks_are_read_never_one_running_
         capsys: pytest.CaptureFixture[str], agent_config: str, tmp_path: Path) -> None:
     doc, err = run(capsys, "--name", "pods", "--config", agent_config)
     assert doc["plugins"][0] == {"type": "cni-agent-shim", "network": "",
-                                 "capabilities": {"portMappings": True}}
+                                 "capabilities": {"portMappings": True}, "queueWhenDown": True}
     assert "network podnet" in err
     drop_in = tmp_path / "agent.yaml.d"
     drop_in.mkdir()
@@ -160,3 +160,23 @@ def test_a_drop_in_is_only_crios(capsys: pytest.CaptureFixture[str], argv: list[
     assert main(["shim-config", *argv]) == 2
     out, err = capsys.readouterr()
     assert out == "" and "--drop-in is for --runtime crio" in err
+
+
+def test_queue_when_down_is_written_on_by_default_and_off_on_request(
+        capsys: pytest.CaptureFixture[str], agent_config: str) -> None:
+    """The C shim reads no YAML: the conflist says whether a DEL no agent
+    answers is queued, and where (the agent's state_dir, when not the default)."""
+    doc, _ = run(capsys, "--config", agent_config)
+    assert doc["plugins"][0]["queueWhenDown"] is True
+    assert "stateDir" not in doc["plugins"][0]
+    doc, _ = run(capsys, "--no-queue-when-down", "--config", agent_config)
+    assert doc["plugins"][0]["queueWhenDown"] is False
+
+
+def test_a_state_dir_that_is_not_the_default_is_written_for_the_shim(
+        capsys: pytest.CaptureFixture[str], agent_config: str, tmp_path: Path) -> None:
+    drop_in = Path(agent_config + ".d")
+    drop_in.mkdir(exist_ok=True)
+    (drop_in / "state.yaml").write_text(f"state_dir: {tmp_path / 'state'}\n")
+    doc, _ = run(capsys, "--config", agent_config)
+    assert doc["plugins"][0]["stateDir"] == str(tmp_path / "state")

@@ -101,6 +101,8 @@ RunConfig = Callable[[str, str | None, bool], int]
 # `cni-agent shim-config`: (--config path, agent network) -> (the capabilities its
 # plugins declare, where they were read) or (None, why not); from the entry point too.
 ReadCapabilities = Callable[[str | None, str], tuple[frozenset[str] | None, str]]
+# The agent's state_dir as its configuration says (None, and why, when unreadable).
+ReadStateDir = Callable[[str | None], tuple[str | None, str]]
 
 
 # --- the client commands ------------------------------------------------------------
@@ -579,8 +581,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drop-in", action="store_true",
                    help=f"with --runtime crio: print the file CRI-O needs in {shim_config.CRIO_DROP_IN} "
                         "([crio.network] network_dir, plugin_dirs, cni_status_grace_period) instead")
+    p.add_argument("--queue-when-down", action=argparse.BooleanOptionalAction, default=True,
+                   help="while no agent runs, the shim queues a DEL in the agent's state_dir and "
+                        "answers success; the agent runs it when it starts (default: on; "
+                        "--no-queue-when-down: the DEL fails with code 11, and the runtime "
+                        "retries)")
     p.set_defaults(func=_shim_config)
     return parser
+
+
+def _state_dir(args: argparse.Namespace) -> tuple[str, list[str]]:
+    """The agent's state_dir, where the shim queues DELs (read offline, as the
+    agent reads its configuration); the default, with a comment, when unknown."""
+    read: ReadStateDir | None = getattr(args, "read_state_dir", None)
+    state_dir, why = read(args.config) if read else (None, "this entry point reads no "
+                                                           "configuration")
+    if state_dir is None:
+        return shim_config.DEFAULT_STATE_DIR, [
+            f"warning: the agent's state_dir is unknown ({why}): the shim queues DELs in "
+            f"{shim_config.DEFAULT_STATE_DIR}"]
+    return state_dir, []
 
 
 def _network_name(value: str) -> str:
@@ -613,11 +633,15 @@ def _shim_config(args: argparse.Namespace) -> int:
     found, where = read(args.config, args.network) if read else (None, "this entry point reads no "
                                                                       "configuration")
     comments += shim_config.capability_comments(found, where)
+    state_dir, notes = _state_dir(args) if args.queue_when_down else \
+        (shim_config.DEFAULT_STATE_DIR, [])
+    comments += notes
     # Comments on stderr: stdout stays the file itself, for `> FILE`.
     for line in comments:
         print(f"# {line}", file=sys.stderr)
     caps = shim_config.WELL_KNOWN_CAPABILITIES if found is None else found
-    print(json.dumps(shim_config.conflist(args.network, args.name, version, caps), indent=2))
+    print(json.dumps(shim_config.conflist(args.network, args.name, version, caps,
+                                          args.queue_when_down, state_dir), indent=2))
     return EXIT_OK
 
 
@@ -686,10 +710,12 @@ def _sandbox_commands(sub: Any) -> None:
 
 def main(argv: Sequence[str] | None = None, run_daemon: RunDaemon | None = None,
          run_config: RunConfig | None = None,
-         read_capabilities: ReadCapabilities | None = None) -> int:
+         read_capabilities: ReadCapabilities | None = None,
+         read_state_dir: ReadStateDir | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.read_capabilities = read_capabilities
+    args.read_state_dir = read_state_dir
     if getattr(args, "config_command", False):
         if run_config is None:
             print("cni-agent: config: this entry point cannot read the configuration "

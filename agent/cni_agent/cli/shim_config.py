@@ -128,12 +128,23 @@ cni_status_grace_period = "1s"
 """
 
 
+# Where the shim queues a DEL while no agent runs, unless its conflist says
+# "stateDir" (shim/cni-agent-shim.c, STATE_DIR: the same default).
+DEFAULT_STATE_DIR = "/var/lib/cni-agent"
+
+
 def conflist(network: str = "", name: str = "", cni_version: str = DEFAULT_VERSION,
-             capabilities: Iterable[str] = WELL_KNOWN_CAPABILITIES) -> dict[str, Any]:
+             capabilities: Iterable[str] = WELL_KNOWN_CAPABILITIES, queue_when_down: bool = True,
+             state_dir: str = DEFAULT_STATE_DIR) -> dict[str, Any]:
     """`name` is the runtime's network name (default: the agent network's, else
-    cni-agent); `capabilities` those the agent network's plugins declare."""
+    cni-agent); `capabilities` those the agent network's plugins declare;
+    `queue_when_down`: the shim queues a DEL no agent answers, in the agent's
+    `state_dir` (written only when it is not the default)."""
     plugin: dict[str, Any] = {"type": SHIM_TYPE, "network": network,
-                              "capabilities": dict.fromkeys(sorted(capabilities), True)}
+                              "capabilities": dict.fromkeys(sorted(capabilities), True),
+                              "queueWhenDown": queue_when_down}
+    if state_dir.rstrip("/") != DEFAULT_STATE_DIR:
+        plugin["stateDir"] = state_dir
     return {"cniVersion": cni_version, "name": runtime_name(network, name),
             "plugins": [plugin]}
 

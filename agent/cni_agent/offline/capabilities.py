@@ -31,3 +31,12 @@ def network_capabilities(config: str | None, network: str) -> tuple[frozenset[st
         return None, f"{what} not found in {cfg.conf_dir} (conf_dir of the agent's configuration)"
     caps = frozenset(c for p in found.plugins for c in p.capabilities)
     return caps, f"network {found.name}, {found.source}"
+
+
+def state_dir(config: str | None) -> tuple[str | None, str]:
+    """The agent's state_dir, where cni-agent-shim queues a DEL while no agent
+    runs; (None, why) when the configuration cannot be read."""
+    try:
+        return load_config(config).state_dir, ""
+    except ConfigFileError as e:
+        return None, str(e)

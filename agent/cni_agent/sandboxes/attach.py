@@ -108,6 +108,7 @@ class Attachments:
         with classified():
             req = replace(req, sandbox_id=self.m.own_id(req.caller, req.sandbox_id, creating=True))
         with log_fields(SANDBOX_ID=req.sandbox_id, IFNAME=req.ifname):
+            await self.m.queued_first(req.sandbox_id)
             with classified():
                 doc = await self._attach(req)
         self.m.on_set_up(req.sandbox_id)
@@ -194,6 +195,7 @@ class Attachments:
         with classified():
             sid = self.m.own_id(caller, sandbox_id)
         with log_fields(SANDBOX_ID=sid, IFNAME=ifname):
+            await self.m.queued_first(sid)
             with classified():
                 await self._detach(sid, netns, network, ifname, origin, caller, netns_fd)
 
@@ -252,6 +254,7 @@ class Attachments:
     async def check(self, sandbox_id: str, netns: str, network: str, ifname: str,
                     origin: str = "") -> None:
         with log_fields(SANDBOX_ID=sandbox_id, IFNAME=ifname):
+            await self.m.queued_first(sandbox_id)
             with classified():
                 m = self.m
                 m.gate()

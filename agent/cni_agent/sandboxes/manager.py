@@ -14,7 +14,7 @@ import asyncio
 import hashlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -91,6 +91,10 @@ class Timeouts:
 STATES = {Phase.READY: "ready", Phase.ADDING: "setting-up", Phase.DELETING: "tearing-down"}
 
 
+async def _nothing(sandbox_id: str) -> None:
+    return None
+
+
 def result_document(sandbox_id: str, entries: Sequence[CachedAttachment],
                     order: Sequence[tuple[str, str]] = (),
                     phase: Phase = Phase.READY) -> dict[str, Any]:
@@ -145,6 +149,15 @@ class SandboxManager:
         # Called with a sandbox's id once a Setup or Attach of it succeeded and
         # its lock is free again (drift.py: the baseline CHECK).
         self.on_set_up: Callable[[str], None] = lambda sandbox_id: None
+        # The sandbox ids with a DEL that cni-agent-shim queued while no agent
+        # ran (service/queued.py), and what runs them: a call for one of them
+        # runs those first (`queued_first`). Empty once the queue is drained.
+        self.queued_ids: Collection[str] = ()
+        self.run_queued: Callable[[str], Awaitable[None]] = _nothing
+
+    async def queued_first(self, sandbox_id: str) -> None:
+        if sandbox_id in self.queued_ids:
+            await self.run_queued(sandbox_id)
 
     # --- shared steps -----------------------------------------------------------
 
@@ -265,6 +278,7 @@ class SandboxManager:
         with classified():
             sid = self.own_id(req.caller, req.sandbox_id, creating=True)
         with log_fields(SANDBOX_ID=sid):
+            await self.queued_first(sid)
             try:
                 with classified():
                     doc = await self._setup(replace(req, sandbox_id=sid))
@@ -432,6 +446,7 @@ class SandboxManager:
         with classified():
             sid = self.own_id(caller, sandbox_id)
         with log_fields(SANDBOX_ID=sid):
+            await self.queued_first(sid)
             with classified():
                 await self._teardown(sid, netns, caller, netns_fd)
 
@@ -491,6 +506,7 @@ class SandboxManager:
         with classified():
             sid = self.own_id(caller, sandbox_id)
         with log_fields(SANDBOX_ID=sid):
+            await self.queued_first(sid)
             with classified():
                 await self._check(sid, netns, caller, netns_fd)
 
@@ -554,6 +570,7 @@ class SandboxManager:
     async def show(self, sandbox_id: str, caller: Caller = ROOT) -> dict[str, Any]:
         with classified():
             sid = self.own_id(caller, sandbox_id)
+            await self.queued_first(sid)
             await self.recovered()
             # No lock here: a damaged record is reported, and left to be set aside
             # by the next operation or reaping pass that holds the sandbox's lock.

@@ -225,6 +225,13 @@ class SandboxRecord:
     request: str = ""
     updated: float = field(default_factory=time.time)
     owner: int = 0  # the uid that set it up (records before 0.2: root's)
+    # Which set-up of this id it is: a node-wide number, larger for every new
+    # record (the store stamps it at the record's first write, and keeps the
+    # highest across deletions and compactions). A DEL queued while the agent
+    # was down is for the generation it was bound to; another one is not its
+    # (service/queued.py). 0: unknown (records before the queue); an optional
+    # key, so older agents ignore it: no version bump.
+    generation: int = field(default=0, compare=False)
 
     @property
     def by_descriptor(self) -> bool:
@@ -275,6 +282,7 @@ class SandboxRecord:
             "request": self.request,
             "updated": self.updated,
             "owner": self.owner,
+            **({"generation": self.generation} if self.generation else {}),
         }
 
     @classmethod
@@ -292,4 +300,5 @@ class SandboxRecord:
             request=str(doc.get("request", "")),
             updated=float(doc.get("updated", 0)),
             owner=int(doc.get("owner", 0)),
+            generation=int(doc.get("generation", 0)),
         )

@@ -93,6 +93,9 @@ class SandboxStore:
         # When the agent before stopped cleanly (its mark's ctime, in ns), or
         # None (`open` says).
         self.clean_stop: int | None = None
+        # The highest generation ever given (records.SandboxRecord.generation):
+        # from the records, the lines that end them, and the snapshot's mark.
+        self.last_generation = 0
 
     # --- start-up (blocking) ------------------------------------------------------------
 
@@ -127,6 +130,9 @@ class SandboxStore:
             return
         if isinstance(doc, dict) and isinstance(doc.get("deleted"), str):
             self._forget(doc["deleted"])
+            generation = doc.get("generation")
+            if type(generation) is int and generation > self.last_generation:
+                self.last_generation = generation
             return
         sid = doc.get("sandbox") if isinstance(doc, dict) else None
         if not isinstance(sid, str) or not sid:
@@ -156,6 +162,7 @@ class SandboxStore:
             notes.append(f"sandbox {sid}: its journal record is unusable ({e}); kept in {path}, "
                          "the sandbox is handled from its cache entries")
             return
+        self.last_generation = max(self.last_generation, rec.generation)
         self._set(rec, len(payload))
 
     def _import_legacy(self, notes: list[str]) -> list[str]:
@@ -249,9 +256,11 @@ class SandboxStore:
     def write(self, record: SandboxRecord) -> None:
         """Append the record as it now is: survives a killed agent at once, a
         power loss after the next `commit`. CacheError when the disk refuses it
-        (then nothing changed)."""
+        (then nothing changed). A new record gets the next generation; a
+        record that has one keeps it."""
+        record = self._stamped(record)
         payload = dumps(record)
-        self._append(payload)
+        self._append(payload)  # a generation it refused is simply not used (no harm)
         self._damaged.pop(record.sandbox_id, None)
         self._set(record, len(payload))
         pending = self._unrecorded.get(record.sandbox_id)
@@ -266,6 +275,7 @@ class SandboxStore:
         now "deleting", as a short line: a Teardown's first write, which the
         whole record would make ten times longer."""
         names = sorted(ifnames)
+        record = self._carried(record)
         payload = _ENCODE({"sandbox": record.sandbox_id, "mark": "deleting",
                            "ifnames": names}).encode()
         self._append(payload)
@@ -276,6 +286,7 @@ class SandboxStore:
         """`write` of `record`, which is the record as it was with the result of
         `ifname`'s ADD, and `ready` now "ready", as a line of those alone (the
         intent before it holds the rest: its config, args and capabilities)."""
+        record = self._carried(record)
         att = record.attachment(ifname)
         assert att is not None and att.result is not None
         payload = _ENCODE({"sandbox": record.sandbox_id, "mark": "added", "ifname": ifname,
@@ -287,7 +298,11 @@ class SandboxStore:
 
     def delete(self, sandbox_id: str) -> None:
         if sandbox_id in self._records or sandbox_id in self._damaged:
-            self._append(json.dumps({"deleted": sandbox_id}).encode())
+            known = self._records.get(sandbox_id)
+            end: dict[str, object] = {"deleted": sandbox_id}
+            if known is not None and known.generation:
+                end["generation"] = known.generation  # the highest survives it
+            self._append(_ENCODE(end).encode())
             self._forget(sandbox_id)
             self._maybe_compact()
         self._unrecorded.pop(sandbox_id, None)
@@ -320,6 +335,40 @@ class SandboxStore:
             self._log.append(payload)
         except OSError as e:
             raise CacheError(f"cannot write sandbox record: {e}") from e
+
+    def generation(self, sandbox_id: str) -> int:
+        """The generation of the sandbox's record; 0 when it has none (or one
+        from before generations)."""
+        rec = self._records.get(sandbox_id)
+        return rec.generation if rec is not None else 0
+
+    def stamp(self, sandbox_id: str) -> int:
+        """The sandbox's generation, giving its record one first if it has
+        none (written before generations): written, durable with the next
+        `commit`. 0 when it has no record. CacheError when the disk refuses."""
+        rec = self._records.get(sandbox_id)
+        if rec is None:
+            return 0
+        if not rec.generation:
+            self.write(rec)
+        return self.generation(sandbox_id)
+
+    def _carried(self, record: SandboxRecord) -> SandboxRecord:
+        """`record` with the generation of the record it changes."""
+        if record.generation:
+            return record
+        known = self._records.get(record.sandbox_id)
+        if known is None or not known.generation:
+            return record
+        return replace(record, generation=known.generation)
+
+    def _stamped(self, record: SandboxRecord) -> SandboxRecord:
+        """`record` with its generation: the one it changes, else the next."""
+        record = self._carried(record)
+        if record.generation:
+            return record
+        self.last_generation += 1
+        return replace(record, generation=self.last_generation)
 
     # --- removals the disk did not record -------------------------------------------------
 
@@ -362,7 +411,14 @@ class SandboxStore:
 
     def _payloads(self) -> list[bytes]:
         return [*(dumps(r) for r in self._records.values()),
-                *(d.payload for d in self._damaged.values())]
+                *(d.payload for d in self._damaged.values()), *self._high_water()]
+
+    def _high_water(self) -> list[bytes]:
+        """A snapshot's last line: the highest generation given, as the end of
+        a record of no sandbox (which agents before generations skip)."""
+        if not self.last_generation:
+            return []
+        return [_ENCODE({"deleted": "", "generation": self.last_generation}).encode()]
 
     def _maybe_compact(self) -> None:
         wal = self._log
@@ -385,10 +441,12 @@ class SandboxStore:
             return
         records = list(self._records.values())  # as of now: immutable records
         damaged = [d.payload for d in self._damaged.values()]
+        high_water = self._high_water()
 
         def payloads() -> Iterator[bytes]:
             yield from (dumps(r) for r in records)
             yield from damaged
+            yield from high_water
 
         try:
             task = wal.compact(payloads)  # the new segment starts now, with this state

@@ -29,6 +29,7 @@ from cni_agent.api import BUS_NAME, OBJECT_PATH, AgentError, ErrorKind
 from cni_agent.bus import connect
 from cni_agent.cni.exec import kill_leftovers
 from cni_agent.config import AgentConfig, ConfigFileError, load_config
+from cni_agent.node import delqueue
 from cni_agent.node.locks import StateDirBusy, lock_state_dir
 from cni_agent.readiness.monitor import NetworkState
 from cni_agent.service.auth import Authorizer
@@ -135,6 +136,7 @@ class Daemon:
             log.critical("%s", self._fatal)
             self._stop.set()
             return
+        await self.core.queued.bind()
         try:
             report = await self.reaper.recover()
         except Exception:
@@ -144,6 +146,7 @@ class Daemon:
                 self.core.journal.store.compact_soon()
             for err in report.errors:
                 log.warning("start-up recovery: %s", err)
+        self.core.queued.start()
         self.reaper.start_periodic()
         self.core.drift.start()
 
@@ -222,10 +225,32 @@ class Daemon:
             raise StartupError(f"cannot prepare {e.filename}: {e.strerror}") from None
         except StateDirBusy as e:
             raise StartupError(str(e), exit_status=2) from None
+        queue_lock = await self._hold_queue()
         try:
             return await self._start(loop)
         finally:
+            if queue_lock is not None:
+                os.close(queue_lock)
             os.close(state_lock)
+
+    async def _hold_queue(self) -> int | None:
+        """The DELs cni-agent-shim queued while no agent ran: their queue held
+        (no shim queues from now on, until we exit) and read; they run once
+        recovery is over (`queued.py`)."""
+        try:
+            fd = await asyncio.to_thread(delqueue.hold, self.cfg.state_dir)
+        except (OSError, delqueue.QueueBusy) as e:
+            log.warning("cannot hold the queue of DELs in %s: %s; what is queued there runs at "
+                        "a later start", delqueue.queue_dir(self.cfg.state_dir), e)
+            return None
+        try:
+            items = await asyncio.to_thread(delqueue.scan, self.cfg.state_dir)
+        except OSError as e:
+            log.warning("cannot read the queue of DELs in %s: %s; what is queued there runs at "
+                        "a later start", delqueue.queue_dir(self.cfg.state_dir), e)
+            items = []
+        self.core.queued.load(items)
+        return fd
 
     async def _start(self, loop: asyncio.AbstractEventLoop) -> int:
         # Nothing of an earlier run may act once we serve: its plugins are killed

@@ -62,6 +62,8 @@ _STATE_ERROR = str(ErrorKind.STATE_ERROR)
 # or its run failing (a timeout, an exec error: code 999 with the agent's
 # words). cni_agent_plugin_executions_total counts those, and alerts on them.
 _PLUGINS = frozenset({PLUGIN, str(ErrorKind.PLUGIN_FAILED), str(ErrorKind.TIMEOUT)})
+# What the agent did with a DEL the shim queued while it was down (service/queued.py).
+QUEUED_OUTCOMES = ("done", "gone", "stale", "failed", "refused")
 
 
 def plugin_result(e: BaseException | None) -> str:
@@ -179,6 +181,15 @@ class Metrics:
             "Per network of known capacity: used/size of the range set with the fewest free "
             "addresses (each attachment takes one address of every range set): 1 is full",
             ("network",), registry=r)
+        self.queued_teardowns = Counter(
+            "cni_agent_queued_teardowns", "DELs cni-agent-shim queued while no agent ran, by "
+            "what the agent did with them: done (run), gone (nothing of their sandbox's "
+            "generation left), stale (the sandbox set up again since: dropped), failed (kept, "
+            "run again at the next start), refused (not root's, unreadable, or a request refused as "
+            "such: set aside)",
+            ("outcome",), registry=r)
+        for outcome in QUEUED_OUTCOMES:
+            self.queued_teardowns.labels(outcome)
         # The agent's own CPU, memory and descriptors (process_*), as the
         # default registry would have them.
         ProcessCollector(registry=r)
@@ -231,6 +242,9 @@ class Metrics:
             self.state_errors.inc(())
         if seconds is not None:
             self.shim_seconds.observe((command,), seconds)
+
+    def queued_teardown(self, outcome: str) -> None:
+        self.queued_teardowns.labels(outcome).inc()
 
     def plugin_run(self, plugin: str, verb: str, result: str, seconds: float) -> None:
         """One plugin execution: its time and its outcome."""

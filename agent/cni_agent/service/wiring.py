@@ -31,6 +31,7 @@ from cni_agent.sandboxes.spoofguard import Guard
 from cni_agent.sandboxes.store import SandboxStore
 from cni_agent.service.cnicall import ShimCalls
 from cni_agent.service.metrics import Metrics
+from cni_agent.service.queued import QueuedTeardowns
 
 
 def policy_of(cfg: AgentConfig) -> Policy:
@@ -74,8 +75,10 @@ class Core:
     metrics: Metrics
     checks: Checks
     drift: DriftPasses
+    queued: QueuedTeardowns
 
     async def stop(self) -> None:
+        await self.queued.stop()
         await self.monitor.stop()
         await self.drift.stop()
         await self.reaper.stop()
@@ -133,5 +136,6 @@ def build_core(cfg: AgentConfig, executor: Executor | None = None) -> Core:
     manager.on_set_up = drift.baseline
     attachments = Attachments(manager)
     shim = ShimCalls(attachments, monitor, on_call=metrics.shim_call, first_verdict=t.status)
+    queued = QueuedTeardowns(shim, journal.store, manager, on_outcome=metrics.queued_teardown)
     return Core(runtime, monitor, journal, locks, reaper, pod_cidrs, manager, attachments, shim,
-                metrics, checks, drift)
+                metrics, checks, drift, queued)
