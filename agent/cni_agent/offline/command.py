@@ -28,7 +28,7 @@ def _run(verb: str, path: str | None, as_json: bool) -> int:
         print(render_json(cfg) if as_json else render_text(cfg))
         return EXIT_CLEAN
     report = check(cfg)
-    for line in report.problems:
+    for line in (*report.problems, *report.warnings):
         print(line)
     if report.problems:
         return EXIT_PROBLEMS

@@ -31,6 +31,7 @@ from cni_agent.sandboxes.spoofguard import Guard
 from cni_agent.sandboxes.store import SandboxStore
 from cni_agent.service.cnicall import ShimCalls
 from cni_agent.service.metrics import Metrics
+from cni_agent.service.tracing import Tracing
 
 
 def policy_of(cfg: AgentConfig) -> Policy:
@@ -74,6 +75,7 @@ class Core:
     metrics: Metrics
     checks: Checks
     drift: DriftPasses
+    tracing: Tracing
 
     async def stop(self) -> None:
         await self.monitor.stop()
@@ -82,6 +84,7 @@ class Core:
         self.journal.paths.stop()
         self.journal.guard.close()
         await self.journal.store.close()
+        await self.tracing.close()
 
 
 def build_core(cfg: AgentConfig, executor: Executor | None = None) -> Core:
@@ -132,6 +135,8 @@ def build_core(cfg: AgentConfig, executor: Executor | None = None) -> Core:
                         concurrency=cfg.check.concurrency)
     manager.on_set_up = drift.baseline
     attachments = Attachments(manager)
-    shim = ShimCalls(attachments, monitor, on_call=metrics.shim_call, first_verdict=t.status)
+    tracing = Tracing.from_config(cfg.tracing)
+    shim = ShimCalls(attachments, monitor, on_call=metrics.shim_call, first_verdict=t.status,
+                     tracing=tracing)
     return Core(runtime, monitor, journal, locks, reaper, pod_cidrs, manager, attachments, shim,
-                metrics, checks, drift)
+                metrics, checks, drift, tracing)

@@ -1,0 +1,179 @@
+"""The W3C trace context of a call (cni/tracectx.py): what is accepted, what
+plugins get (as libcni 1.3 passes it: containernetworking/cni#1173), and
+that a call without one costs nothing and leaks into nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cni_agent.cni.config import parse_list
+from cni_agent.cni.errors import InvalidArgument
+from cni_agent.cni.exec import Invocation, ProcessExecutor
+from cni_agent.cni.logctx import ContextFields
+from cni_agent.cni.runtime import CNIRuntime, RuntimeConf
+from cni_agent.cni.tracectx import CallTrace, TraceContext, current, parse_trace_context
+from cni_agent.service.cnicall import parse_call
+from cni_agent.service.dbus_service import parse_options
+from cni_agent.service.tracing import Tracing
+from tests.support.fakeexec import FakeExecutor
+from tests.support.plugins import conflist
+
+TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
+PARENT_ID = "b7ad6b7169203331"
+TP = f"00-{TRACE_ID}-{PARENT_ID}-01"
+
+
+def test_a_w3c_traceparent_is_read_and_written_as_libcni_writes_it() -> None:
+    ctx = parse_trace_context({"TRACEPARENT": TP, "TRACESTATE": "congo=t61rcWkgMzE,rojo=00f067aa0ba902b7",
+                               "BAGGAGE": "userId=alice,serverNode=DF%2028;prop"})
+    assert ctx == TraceContext(TRACE_ID, PARENT_ID, True, "congo=t61rcWkgMzE,rojo=00f067aa0ba902b7",
+                               "userId=alice,serverNode=DF%2028;prop")
+    assert ctx.environ() == (("TRACEPARENT", TP), ("TRACESTATE", ctx.tracestate),
+                             ("BAGGAGE", ctx.baggage))
+    # Only the sampled flag, version 00 (otel-go's propagator, which libcni uses).
+    later = parse_trace_context({"TRACEPARENT": f"01-{TRACE_ID}-{PARENT_ID}-03-future"})
+    assert later is not None and later.traceparent == TP
+    unsampled = parse_trace_context({"TRACEPARENT": f"00-{TRACE_ID}-{PARENT_ID}-00"})
+    assert unsampled is not None and unsampled.environ() == (
+        ("TRACEPARENT", f"00-{TRACE_ID}-{PARENT_ID}-00"),)
+    # A plugin's own parent, when the agent's spans are exported.
+    assert ctx.environ("00f067aa0ba902b7")[0] == ("TRACEPARENT", f"00-{TRACE_ID}-00f067aa0ba902b7-01")
+
+
+def test_without_a_traceparent_nothing_is_passed_on_as_libcni_does() -> None:
+    assert parse_trace_context({}) is None
+    assert parse_trace_context({"TRACEPARENT": "", "TRACESTATE": "", "BAGGAGE": ""}) is None
+    assert parse_trace_context({"TRACESTATE": "a=b", "BAGGAGE": "k=v"}) is None
+
+
+BAD = {
+    "TRACEPARENT": [
+        "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331",  # no flags
+        "00-0AF7651916CD43DD8448EB211C80319C-B7AD6B7169203331-01",  # upper case
+        f"00-{'0' * 32}-{PARENT_ID}-01",  # trace id zero
+        f"00-{TRACE_ID}-{'0' * 16}-01",  # parent id zero
+        f"ff-{TRACE_ID}-{PARENT_ID}-01",  # the forbidden version
+        f"00-{TRACE_ID}-{PARENT_ID}-01-extra",  # version 00 is 55 characters
+        f"01-{TRACE_ID}-{PARENT_ID}-01x",  # a later version adds fields after a dash only
+        f" {TP}",
+        f"00-{TRACE_ID}-{PARENT_ID}-01-" + "x" * 600,
+    ],
+    "TRACESTATE": ["Upper=1", "a=b,a=c", "k=v\x7f", "=v", "k=", "k=v=w", "a" * 257 + "=v",
+                   ",".join(f"k{i}=v" for i in range(33)), "k=" + "v" * 8191],
+    "BAGGAGE": ["k=v,", "k v=1", "k=a,b", 'k="v"', "k=v\\w", "k=é",
+                ",".join(f"k{i}=v" for i in range(65)), "k=" + "v" * 8191],
+}
+
+
+@pytest.mark.parametrize(("name", "value"), [(n, v) for n, vs in BAD.items() for v in vs])
+def test_what_is_not_w3c_is_refused_naming_the_field(name: str, value: str) -> None:
+    values = {"TRACEPARENT": TP, name: value}
+    with pytest.raises(InvalidArgument) as e:
+        parse_trace_context(values, "options.")
+    assert e.value.field == f"options.{name}"
+
+
+def test_what_w3c_allows_is_accepted() -> None:
+    for tracestate in ("", " a=1 , ,b=2\t", "tenant@vendor=x y", "a" * 256 + "=v",
+                       ",".join(f"k{i}=v" for i in range(32))):
+        parse_trace_context({"TRACEPARENT": TP, "TRACESTATE": tracestate})
+    for baggage in ("k=", "k = v ; p ; q=1", "a=%20x,b=1", ",".join(f"k{i}=v" for i in range(64))):
+        parse_trace_context({"TRACEPARENT": TP, "BAGGAGE": baggage})
+
+
+def test_the_shim_and_dbus_read_it_and_refuse_it_with_their_own_words() -> None:
+    conf = json.dumps({"cniVersion": "1.1.0", "name": "pods"})
+    env = {"CNI_COMMAND": "ADD", "CNI_CONTAINERID": "c", "CNI_NETNS": "/x", "CNI_IFNAME": "eth0",
+           "TRACEPARENT": TP, "BAGGAGE": "k=v"}
+    assert parse_call(env, conf).trace == TraceContext(TRACE_ID, PARENT_ID, True, "", "k=v")
+    # STATUS runs no plugin: a runtime's trace context is not even read.
+    assert parse_call({"CNI_COMMAND": "STATUS", "TRACEPARENT": "junk"}, conf).trace is None
+    from cni_agent.service.cnicall import Refusal
+    with pytest.raises(Refusal) as refused:
+        parse_call({**env, "TRACEPARENT": "junk"}, conf)
+    assert refused.value.code == 4 and refused.value.msg.startswith("TRACEPARENT: ")
+    from dbus_fast import Variant
+    opts = parse_options({"TRACEPARENT": Variant("s", TP)})
+    assert opts["trace"].traceparent == TP
+    assert "trace" not in parse_options({})
+    with pytest.raises(InvalidArgument, match=r"^options\.TRACESTATE: "):
+        parse_options({"TRACEPARENT": Variant("s", TP), "TRACESTATE": Variant("s", "A=1")})
+
+
+NET = parse_list(conflist("n", [{"type": "fake"}, {"type": "fake2"}], "1.1.0"), "n")
+
+
+async def _add(runtime: CNIRuntime, cid: str) -> None:
+    await runtime.add(NET, RuntimeConf(cid, "/proc/self/ns/net", "eth0"))
+
+
+async def test_every_plugin_of_a_traced_call_gets_its_context_and_no_other_call_does(
+        tmp_path: Path) -> None:
+    fake = FakeExecutor(plugins={"fake", "fake2"})
+    runtime = CNIRuntime(("/fake",), str(tmp_path), executor=fake)
+    ctx = TraceContext(TRACE_ID, PARENT_ID, True, "a=1", "k=v")
+    with CallTrace(ctx):
+        await _add(runtime, "traced")
+    await _add(runtime, "plain")
+    traced = [c.inv for c in fake.calls if c.container == "traced"]
+    assert [inv.trace for inv in traced] == [ctx.environ()] * 2
+    assert traced[0] is traced[1]  # one Invocation for the chain: its environment built once
+    assert all(c.inv.trace == () for c in fake.calls if c.container == "plain")
+    assert traced[0].environ()["TRACEPARENT"] == TP
+
+
+async def test_a_task_the_call_left_behind_carries_no_trace() -> None:
+    seen: list[object] = []
+    release = asyncio.Event()
+
+    async def later() -> None:
+        await release.wait()
+        seen.append(current())
+
+    with CallTrace(TraceContext(TRACE_ID, PARENT_ID)) as call:
+        assert current() is call
+        task = asyncio.create_task(later())  # inherits the context, as a deferred CHECK does
+    release.set()
+    await task
+    assert seen == [None] and current() is None
+
+
+def test_log_lines_of_a_traced_call_carry_its_trace_id() -> None:
+    record = logging.LogRecord("x", logging.INFO, __file__, 1, "m", None, None)
+    ContextFields().filter(record)
+    assert not hasattr(record, "TRACE_ID")
+    with CallTrace(TraceContext(TRACE_ID, PARENT_ID)):
+        record = logging.LogRecord("x", logging.INFO, __file__, 1, "m", None, None)
+        ContextFields().filter(record)
+    assert record.TRACE_ID == TRACE_ID
+
+
+def test_the_agents_environment_never_gives_plugins_a_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRACEPARENT", TP)
+    monkeypatch.setenv("BAGGAGE", "k=v")
+    env = ProcessExecutor()._environ(Invocation("ADD"))
+    assert b"TRACEPARENT" not in env and b"BAGGAGE" not in env
+    traced = ProcessExecutor()._environ(Invocation("ADD", trace=(("TRACEPARENT", TP),)))
+    assert traced[b"TRACEPARENT"] == TP.encode()
+
+
+def test_off_a_call_without_a_context_is_not_traced_and_the_sdk_is_never_imported() -> None:
+    off = Tracing()
+    with off.call("Setup", None) as scope:
+        assert current() is None and not isinstance(scope, CallTrace)
+    code = ("import sys; from cni_agent.config import AgentConfig; "
+            "from cni_agent.service.wiring import build_core; "
+            "import cni_agent.service.daemon; build_core(AgentConfig(state_dir=sys.argv[1], "
+            "runtime_dir=sys.argv[1])); "
+            "print(sorted(m for m in sys.modules if m.startswith(('opentelemetry', 'google'))))")
+    out = subprocess.run([sys.executable, "-c", code, "/tmp/cni-agent-unit-tracing"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
