@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.server
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -145,16 +146,21 @@ def test_dbus_callers_pass_it_as_options_to_every_method_that_runs_plugins(
 class Collector:
     """A real OTLP/HTTP receiver: POST /v1/traces, ExportTraceServiceRequest in protobuf."""
 
-    def __init__(self) -> None:
+    def __init__(self, hang: threading.Event | None = None) -> None:
+        """`hang`: every request waits for it (at most a minute) before it is read."""
         from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
         self.spans: list[Any] = []
+        self.waiting = threading.Event()  # a request arrived (and hangs)
         self.paths: list[str] = []
         lock = threading.Lock()
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self) -> None:
+                if hang is not None:
+                    outer.waiting.set()
+                    hang.wait(60)
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 request = trace_service_pb2.ExportTraceServiceRequest()
                 request.ParseFromString(body)
@@ -187,8 +193,12 @@ class Collector:
 
 
 @pytest.fixture
-def collector() -> Iterator[Collector]:
+def otel_sdk() -> None:
     pytest.importorskip("opentelemetry.sdk", reason="the tracing extra (make setup installs it)")
+
+
+@pytest.fixture
+def collector(otel_sdk: None) -> Iterator[Collector]:
     c = Collector()
     yield c
     c.close()
@@ -263,6 +273,38 @@ def test_spans_of_a_dbus_call_without_a_traceparent_start_a_trace(
     [rec] = runs(control, "ADD")
     assert rec["trace"] == {"TRACEPARENT": f"00-{setup.trace_id.hex()}-{plugin.span_id.hex()}-01"}
     assert trace_lines(agent, setup.trace_id.hex())
+
+
+def test_a_collector_that_never_answers_makes_no_call_wait(
+    make_agent: Callable[..., Agent], testnet: Callable[..., Path], control: Control,
+    netns: str, otel_sdk: None,
+) -> None:
+    """The exporter runs in the SDK's thread: calls go on while it waits on a
+    collector that accepts and never answers, and a stop flushes for a bounded time."""
+    hang = threading.Event()
+    stuck = Collector(hang)
+    try:
+        testnet()
+        agent = make_agent(start=False, tracing={"otlp_endpoint": stuck.url}, **NO_CHECKS)
+        # Export at once (not after the SDK's 5 s), so the first call's spans are in flight.
+        agent.start(env={"OTEL_BSP_SCHEDULE_DELAY": "10"})
+        assert agent.call("WaitReady", "d", "10")[0] is True
+        agent.call("Setup", "ssa{sv}", "h0", netns, *trace_options(TRACE))
+        assert stuck.waiting.wait(20), "the exporter never reached the collector"
+        started = time.monotonic()
+        for i in range(1, 6):
+            agent.call("Setup", "ssa{sv}", f"h{i}", netns, *trace_options(TRACE))
+            agent.call("Teardown", "ssa{sv}", f"h{i}", netns, "0")
+        # Ten calls with their plugins: well under a second each on an idle node,
+        # where one exporter's wait (its 5 s timeout) in the loop would be seconds each.
+        assert time.monotonic() - started < 15, agent.log()
+        assert len(runs(control, "ADD")) == 6
+        started = time.monotonic()
+        assert agent.stop() == 0
+        assert time.monotonic() - started < 20  # the flush is bounded (5 s), not the collector's
+    finally:
+        hang.set()
+        stuck.close()
 
 
 BLOCK_OTEL = '''

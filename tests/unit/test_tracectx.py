@@ -177,3 +177,60 @@ def test_off_a_call_without_a_context_is_not_traced_and_the_sdk_is_never_importe
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+# --- the key, and config check without the SDK ------------------------------------------
+
+BLOCK_OTEL = '''
+import sys
+class _Absent:
+    def find_spec(self, name, path=None, target=None):
+        if name == "opentelemetry" or name.startswith("opentelemetry."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+sys.meta_path.insert(0, _Absent())
+'''
+
+
+@pytest.mark.parametrize("value", ["localhost:4318", "ftp://x/", "http://", "http://a b:1/",
+                                   "http://h:4318/?q=1", 4318])
+def test_the_endpoint_must_be_an_http_url(value: object) -> None:
+    from cni_agent.config import ConfigFileError, parse_config
+    with pytest.raises(ConfigFileError, match=r"^f: tracing\.otlp_endpoint: "):
+        parse_config({"tracing": {"otlp_endpoint": value}}, "f")
+
+
+def test_the_endpoint_gets_the_traces_path_when_it_has_none() -> None:
+    from cni_agent.config import parse_config
+    def url(text: str) -> str:
+        return parse_config({"tracing": {"otlp_endpoint": text}}, "f").tracing.traces_url()
+    assert url("http://127.0.0.1:4318") == "http://127.0.0.1:4318/v1/traces"
+    assert url("https://otel.example:4318/") == "https://otel.example:4318/v1/traces"
+    assert url("http://gw/otlp/v1/traces") == "http://gw/otlp/v1/traces"
+
+
+def test_config_check_warns_without_the_sdk_and_stays_clean(tmp_path: Path) -> None:
+    import os
+
+    import yaml
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(BLOCK_OTEL)
+    (tmp_path / "net.d").mkdir()
+    cfg = tmp_path / "agent.yaml"
+    cfg.write_text(yaml.safe_dump({"conf_dir": str(tmp_path / "net.d"), "fallback_network": True,
+                                   "tracing": {"otlp_endpoint": "http://127.0.0.1:4318"}}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DBUS_")}
+
+    def check(extra: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "cni_agent", "config", "check", "--config",
+                               str(cfg)], capture_output=True, text=True, timeout=60,
+                              env={**env, **extra})
+
+    without = check({"PYTHONPATH": str(tmp_path / "site")})
+    assert without.returncode == 0, without.stdout + without.stderr
+    warning, ok = without.stdout.splitlines()
+    assert warning.startswith(f"{cfg}: warning: tracing.otlp_endpoint is set, but the "
+                              "OpenTelemetry SDK is not installed"), warning
+    assert ok.startswith("ok: ")
+    with_sdk = check({})
+    assert with_sdk.returncode == 0 and with_sdk.stdout.startswith("ok: "), with_sdk.stdout

@@ -44,7 +44,7 @@ MAX_BAGGAGE = 8192
 MAX_BAGGAGE_MEMBERS = 64
 
 _TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
-_OWS = "[ \t]*"
+_OWS = "[ \t]*+"  # possessive: spaces never backtrack (a hostile value costs O(n))
 _KEY_CHARS = r"[a-z0-9_\-*/]"
 _TRACESTATE_MEMBER = re.compile(
     rf"(?:[a-z]{_KEY_CHARS}{{0,255}}|[a-z0-9]{_KEY_CHARS}{{0,240}}@[a-z]{_KEY_CHARS}{{0,13}})"
