@@ -40,6 +40,9 @@ def test_a_w3c_traceparent_is_read_and_written_as_libcni_writes_it() -> None:
     # Only the sampled flag, version 00 (otel-go's propagator, which libcni uses).
     later = parse_trace_context({"TRACEPARENT": f"01-{TRACE_ID}-{PARENT_ID}-03-future"})
     assert later is not None and later.traceparent == TP
+    # Tracestate's members as otel-go writes them: no spaces, no empty members.
+    spaced = parse_trace_context({"TRACEPARENT": TP, "TRACESTATE": " a=1 ,, b=2\t"})
+    assert spaced is not None and spaced.tracestate == "a=1,b=2"
     unsampled = parse_trace_context({"TRACEPARENT": f"00-{TRACE_ID}-{PARENT_ID}-00"})
     assert unsampled is not None and unsampled.environ() == (
         ("TRACEPARENT", f"00-{TRACE_ID}-{PARENT_ID}-00"),)
@@ -234,3 +237,26 @@ def test_config_check_warns_without_the_sdk_and_stays_clean(tmp_path: Path) -> N
     assert ok.startswith("ok: ")
     with_sdk = check({})
     assert with_sdk.returncode == 0 and with_sdk.stdout.startswith("ok: "), with_sdk.stdout
+
+
+def test_under_journald_the_trace_id_is_a_journal_field() -> None:
+    """What `journalctl TRACE_ID=…` matches: the record attribute becomes the
+    journal field, through systemd-python's JournalHandler as the daemon sets it up."""
+    journal = pytest.importorskip("systemd.journal")
+    sent: list[dict[str, object]] = []
+
+    def send(MESSAGE: str, **fields: object) -> None:  # journal.send's own name
+        sent.append(fields)
+
+    handler = journal.JournalHandler(sender_function=send, SYSLOG_IDENTIFIER="cni-agent")
+    handler.addFilter(ContextFields())
+    logger = logging.getLogger("cni_agent.test_tracectx")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        with CallTrace(TraceContext(TRACE_ID, PARENT_ID)):
+            logger.info("inside")
+        logger.info("outside")
+    finally:
+        logger.removeHandler(handler)
+    assert sent[0]["TRACE_ID"] == TRACE_ID and "TRACE_ID" not in sent[1]

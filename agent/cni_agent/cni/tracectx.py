@@ -103,9 +103,12 @@ def _traceparent(text: str, field: str) -> tuple[str, str, bool]:
 
 
 def _tracestate(text: str, field: str) -> str:
+    """The tracestate as libcni's propagator writes it: its members joined by
+    commas, without the spaces and empty members W3C allows around them."""
     if len(text.encode()) > MAX_TRACESTATE:
         raise InvalidArgument(field, f"longer than {MAX_TRACESTATE} bytes")
     keys: set[str] = set()
+    members: list[str] = []
     for raw in text.split(","):
         member = raw.strip(" \t")
         if not member:
@@ -117,9 +120,10 @@ def _tracestate(text: str, field: str) -> str:
         if key in keys:
             raise InvalidArgument(field, f"key {key!r} appears twice")
         keys.add(key)
+        members.append(member)
     if len(keys) > MAX_TRACESTATE_MEMBERS:
         raise InvalidArgument(field, f"more than {MAX_TRACESTATE_MEMBERS} members")
-    return text
+    return ",".join(members)
 
 
 def _baggage(text: str, field: str) -> str:
@@ -144,7 +148,7 @@ def parse_trace_context(values: Mapping[str, str], prefix: str = "") -> TraceCon
     tracestate = values.get("TRACESTATE", "")
     baggage = values.get("BAGGAGE", "")
     if tracestate:
-        _tracestate(tracestate, prefix + "TRACESTATE")
+        tracestate = _tracestate(tracestate, prefix + "TRACESTATE")
     if baggage:
         _baggage(baggage, prefix + "BAGGAGE")
     if not traceparent:
