@@ -260,3 +260,18 @@ def test_under_journald_the_trace_id_is_a_journal_field() -> None:
     finally:
         logger.removeHandler(handler)
     assert sent[0]["TRACE_ID"] == TRACE_ID and "TRACE_ID" not in sent[1]
+
+
+def test_with_the_sdk_disabled_plugins_never_get_a_zero_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("opentelemetry.sdk")
+    from cni_agent.service.otlp import Exporter
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    tracing = Tracing(Exporter("http://127.0.0.1:9/v1/traces"))
+    inv = Invocation("ADD", "c", "/n", "eth0")
+    ctx = TraceContext(TRACE_ID, PARENT_ID)
+    with tracing.call("Setup", ctx) as call:
+        assert isinstance(call, CallTrace)
+        with call.plugin(inv, "bridge", "pods") as traced:
+            assert dict(traced.trace)["TRACEPARENT"] == TP
+    with tracing.call("Setup", None) as scope:
+        assert current() is None and not isinstance(scope, CallTrace)

@@ -46,7 +46,10 @@ class PluginSpan:
 
     def __init__(self, span: trace.Span) -> None:
         self._span = span
-        self.span_id = _hex(span.get_span_context().span_id, 16)
+        sc = span.get_span_context()
+        # "" for the SDK's invalid span (OTEL_SDK_DISABLED): the plugin then
+        # names the call's parent, never a zero id.
+        self.span_id = _hex(sc.span_id, 16) if sc.is_valid else ""
 
     def end(self, code: int, error: str) -> None:
         span = self._span
@@ -90,10 +93,11 @@ class Exporter:
         self._tracer = self._provider.get_tracer("cni_agent", __version__)
 
     def call(self, name: str, parent: TraceContext | None,
-             attributes: Mapping[str, str]) -> tuple[CallSpans, TraceContext]:
+             attributes: Mapping[str, str]) -> tuple[CallSpans, TraceContext | None]:
         """The call's span, a child of `parent` (the caller's span, remote), and
         the context its plugins descend from: the caller's tracestate and
-        baggage, this span as the parent."""
+        baggage, this span as the parent (`parent` itself when the SDK made no
+        valid span: OTEL_SDK_DISABLED)."""
         context = Context()
         if parent is not None:
             remote = trace.SpanContext(
@@ -105,6 +109,8 @@ class Exporter:
         span = self._tracer.start_span(f"cni-agent {name}", context=context,
                                        kind=SpanKind.SERVER, attributes=dict(attributes))
         sc = span.get_span_context()
+        if not sc.is_valid:
+            return CallSpans(self._tracer, span), parent
         own = TraceContext(_hex(sc.trace_id, 32), _hex(sc.span_id, 16), sc.trace_flags.sampled,
                            parent.tracestate if parent else "", parent.baggage if parent else "")
         return CallSpans(self._tracer, span), own

@@ -57,7 +57,9 @@ class Tracing:
         `attributes()`)."""
         if self.exporter is not None:
             spans, own = self.exporter.call(name, context, attributes() if attributes else {})
-            return CallTrace(own, spans)
+            if own is not None:
+                return CallTrace(own, spans)
+            spans.end(None)  # the SDK made no span (disabled) and the caller gave no context
         if context is None:
             return _UNTRACED
         return CallTrace(context)
