@@ -84,6 +84,11 @@ def test_a_runtimes_trace_reaches_every_plugin_through_the_shim(
     assert shim("ADD", conf, cid="tr2", netns=netns,
                 env={"TRACESTATE": TRACESTATE, "BAGGAGE": BAGGAGE}).rc == 0
     assert runs(control, "ADD")[-1]["trace"] == {}
+    # A runtime's GC: the DELs of what it no longer lists get its trace too.
+    gc = {"TRACEPARENT": f"00-{'5' * 32}-{'2' * 16}-01"}
+    assert shim("GC", {**conf, "cni.dev/valid-attachments": []}, env=gc).rc == 0
+    assert [(r["env"]["CNI_CONTAINERID"], r["trace"]) for r in runs(control, "DEL")][2:] == \
+        [("tr2", gc), ("tr2", gc)]
     # The call's lines carry its trace id (journald's TRACE_ID= field under systemd).
     lines = trace_lines(agent, TRACE_ID)
     assert any("CNI_COMMAND=ADD PLUGIN=testplug TRACE_ID=" in line for line in lines), agent.log()
