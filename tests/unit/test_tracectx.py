@@ -167,7 +167,8 @@ def test_the_agents_environment_never_gives_plugins_a_trace(monkeypatch: pytest.
     assert traced[b"TRACEPARENT"] == TP.encode()
 
 
-def test_off_a_call_without_a_context_is_not_traced_and_the_sdk_is_never_imported() -> None:
+def test_off_a_call_without_a_context_is_not_traced_and_the_sdk_is_never_imported(
+        tmp_path: Path) -> None:
     off = Tracing()
     with off.call("Setup", None) as scope:
         assert current() is None and not isinstance(scope, CallTrace)
@@ -176,7 +177,7 @@ def test_off_a_call_without_a_context_is_not_traced_and_the_sdk_is_never_importe
             "import cni_agent.service.daemon; build_core(AgentConfig(state_dir=sys.argv[1], "
             "runtime_dir=sys.argv[1])); "
             "print(sorted(m for m in sys.modules if m.startswith(('opentelemetry', 'google'))))")
-    out = subprocess.run([sys.executable, "-c", code, "/tmp/cni-agent-unit-tracing"],
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
