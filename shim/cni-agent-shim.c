@@ -1,7 +1,8 @@
 /* cni-agent-shim: a CNI plugin that forwards its call to cni-agent.
  *
  * A runtime (containerd, CRI-O, podman, nerdctl, cnitool) execs it like any
- * plugin. It sends the CNI_* environment and stdin untouched to the agent and
+ * plugin. It sends the CNI_* environment (and the runtime's TRACEPARENT,
+ * TRACESTATE and BAGGAGE) and stdin untouched to the agent and
  * prints what comes back: the agent decides everything, so the shim holds no
  * CNI logic and cannot disagree with the agent.
  *
@@ -205,10 +206,20 @@ static int valid_utf8(const char *s) {
     return 1;
 }
 
-/* The environment forwarded: CNI_* variables, not the shim's own setting. */
+/* The runtime's W3C trace context, which libcni 1.3 gives every plugin
+ * (containernetworking/cni#1173): the agent checks it and passes it on to its
+ * own plugins (agent/cni_agent/cni/tracectx.py). */
+static int trace_context(const char *entry) {
+    return !strncmp(entry, "TRACEPARENT=", 12) || !strncmp(entry, "TRACESTATE=", 11)
+           || !strncmp(entry, "BAGGAGE=", 8);
+}
+
+/* The environment forwarded: CNI_* variables, not the shim's own setting, and
+ * the trace context. */
 static int forwarded(const char *entry) {
-    return !strncmp(entry, "CNI_", 4) && strchr(entry, '=')
-           && strncmp(entry, SOCKET_ENV "=", sizeof SOCKET_ENV);
+    return (!strncmp(entry, "CNI_", 4) && strchr(entry, '=')
+            && strncmp(entry, SOCKET_ENV "=", sizeof SOCKET_ENV))
+           || trace_context(entry);
 }
 
 static int is(const char *name, const char *which) {

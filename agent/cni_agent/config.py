@@ -12,12 +12,14 @@ startup, not be ignored.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import ipaddress
 import json
 import math
 import os
 import re
 import reprlib
+import urllib.parse
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -125,6 +127,41 @@ class HTTPConfig:
     web_config: str = ""
 
 
+@dataclass(frozen=True)
+class TracingConfig:
+    # "" (off) or an OTLP/HTTP collector's URL: a span per call and per plugin
+    # execution is exported there (needs the OpenTelemetry SDK).
+    otlp_endpoint: str = ""
+
+    def traces_url(self) -> str:
+        """Where spans are sent: the URL as given, or with the OTLP traces path
+        (/v1/traces) when it has no path, as OTEL_EXPORTER_OTLP_ENDPOINT is read."""
+        url = self.otlp_endpoint
+        if urllib.parse.urlsplit(url).path in ("", "/"):
+            return url.rstrip("/") + "/v1/traces"
+        return url
+
+
+# What exporting spans needs: the SDK and its OTLP/HTTP exporter (the optional
+# extra `tracing`; Fedora's python3-opentelemetry-sdk; not in Debian 12).
+TRACING_MODULES = ("opentelemetry.sdk.trace", "opentelemetry.exporter.otlp.proto.http.trace_exporter")
+
+
+def tracing_sdk_missing() -> str:
+    """"" when spans can be exported, else what is missing (finds the modules,
+    imports only their packages)."""
+    for name in TRACING_MODULES:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            return (f"the OpenTelemetry SDK is not installed ({name} is missing: install "
+                    "python3-opentelemetry-sdk, or pip's opentelemetry-sdk and "
+                    "opentelemetry-exporter-otlp-proto-http)")
+    return ""
+
+
 def parse_port_range(text: str) -> tuple[int, int]:
     """`FIRST-LAST` or one `PORT`, 1 to 65535: (first, last); ValueError saying why."""
     first, sep, last = text.partition("-")
@@ -168,6 +205,7 @@ class AgentConfig:
     gc: GCConfig = field(default_factory=GCConfig)
     check: CheckConfig = field(default_factory=CheckConfig)
     http: HTTPConfig = field(default_factory=HTTPConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
     # Whose bridge attachments get anti-spoofing filters: "members" (callers
     # that are not root) or "all" (root's too). There is no off.
     antispoof: str = "members"
@@ -284,6 +322,17 @@ def _optional_path(source: str, key: str, value: Any) -> str:
     return _path(source, key, text) if text else text
 
 
+def _otlp_endpoint(source: str, key: str, value: Any) -> str:
+    text = _string(source, key, value)
+    if text:
+        parts = urllib.parse.urlsplit(text)
+        if parts.scheme not in ("http", "https") or not parts.netloc or parts.query \
+                or parts.fragment or any(c.isspace() for c in text):
+            raise _fail(source, key, f"must be an http:// or https:// URL (an OTLP/HTTP "
+                                     f"collector, as http://localhost:4318), not {_shown(text)}")
+    return text
+
+
 def _port_range(source: str, key: str, value: Any) -> str:
     # A single port is a YAML number as often as a string: both are taken.
     text = str(value) if isinstance(value, int) and not isinstance(value, bool) else value
@@ -377,6 +426,7 @@ _SECTIONS: dict[str, tuple[type[Any], Mapping[str, _Check]]] = {
     "check": (CheckConfig, {"interval": _duration, "repair": _bool,
                             "repair_new_address": _bool, "concurrency": _positive_int}),
     "http": (HTTPConfig, {"listen": _listen, "web_config": _optional_path}),
+    "tracing": (TracingConfig, {"otlp_endpoint": _otlp_endpoint}),
 }
 
 

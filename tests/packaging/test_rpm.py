@@ -28,10 +28,10 @@ def fedora_names() -> dict[str, str]:
 
 
 def spec_dependencies() -> dict[str, list[str]]:
-    """Requires/BuildRequires/Recommends of the spec as written, by tag (each
-    comma- or space-separated name; version clauses dropped)."""
+    """Requires/BuildRequires/Recommends/Suggests of the spec as written, by tag
+    (each comma- or space-separated name; version clauses dropped)."""
     deps: dict[str, list[str]] = {}
-    for m in re.finditer(r"^(Requires|BuildRequires|Recommends)(?:\([a-z,]+\))?:\s*(.+)$",
+    for m in re.finditer(r"^(Requires|BuildRequires|Recommends|Suggests)(?:\([a-z,]+\))?:\s*(.+)$",
                          SPEC.read_text(), re.M):
         names = re.findall(r"[A-Za-z0-9_.+-]+(?:\([^)]*\))?", re.sub(r"[<>=]+\s*\S+", "", m[2]))
         deps.setdefault(m[1], []).extend(names)

@@ -34,8 +34,11 @@ from cni_agent.cni.trust import checked, identity
 
 # The agent's own systemd plumbing must not leak into plugins: a plugin that
 # inherited NOTIFY_SOCKET could speak to systemd on our behalf.
+# Nor a trace context the agent was started with: a plugin's is its call's
+# (`Invocation.trace`), or none.
 _STRIPPED_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS",
-                 "LISTEN_PID", "LISTEN_FDNAMES", "INVOCATION_ID")
+                 "LISTEN_PID", "LISTEN_FDNAMES", "INVOCATION_ID",
+                 "TRACEPARENT", "TRACESTATE", "BAGGAGE")
 
 _RUN_KEY = RUN_ENV.encode()
 
@@ -45,7 +48,9 @@ MAX_STDERR = 64 * 1024
 
 @dataclass(frozen=True)
 class Invocation:
-    """The six CNI_* variables of one plugin execution."""
+    """The six CNI_* variables of one plugin execution, and its call's W3C
+    trace context (TRACEPARENT, TRACESTATE, BAGGAGE: only those present;
+    `tracectx`)."""
 
     command: str
     container_id: str = ""
@@ -53,9 +58,10 @@ class Invocation:
     ifname: str = ""
     args: str = ""
     path: str = ""
+    trace: tuple[tuple[str, str], ...] = ()
 
     def environ(self) -> dict[str, str]:
-        return {
+        env = {
             "CNI_COMMAND": self.command,
             "CNI_CONTAINERID": self.container_id,
             "CNI_NETNS": self.netns,
@@ -63,6 +69,9 @@ class Invocation:
             "CNI_ARGS": self.args,
             "CNI_PATH": self.path,
         }
+        if self.trace:
+            env.update(self.trace)
+        return env
 
 
 class Executor(Protocol):

@@ -13,9 +13,12 @@ import contextvars
 import logging
 from collections.abc import Mapping
 
-# The structured fields a log line may carry; journald indexes them.
-FIELDS = ("SANDBOX_ID", "NETWORK", "IFNAME", "CNI_COMMAND", "PLUGIN")
-_KNOWN = frozenset(FIELDS)
+from cni_agent.cni import tracectx
+
+# The structured fields a log line may carry; journald indexes them. TRACE_ID
+# is the W3C trace id of the call the line is about (`tracectx`), not a block's.
+FIELDS = ("SANDBOX_ID", "NETWORK", "IFNAME", "CNI_COMMAND", "PLUGIN", "TRACE_ID")
+_KNOWN = frozenset(FIELDS) - {"TRACE_ID"}
 
 # The fields of the blocks the current task is in, outermost first, each as
 # given: entering a block is one tuple and one ContextVar.set (a plugin run
@@ -49,11 +52,15 @@ class _Fields:
 
 class ContextFields(logging.Filter):
     """Copies the current fields onto each record: an inner block's over an
-    outer one's, empty values ignored; explicit `extra=` wins."""
+    outer one's, empty values ignored; explicit `extra=` wins. And the trace
+    id of the call being served, if it has one."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         for fields in reversed(_current.get()):
             for key, value in fields.items():
                 if value and not hasattr(record, key):
                     setattr(record, key, value)
+        call = tracectx.current()
+        if call is not None and not hasattr(record, "TRACE_ID"):
+            record.TRACE_ID = call.trace_id
         return True

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from cni_agent.cni import tracectx
 from cni_agent.cni.args import format_cni_args
 from cni_agent.cni.cache import CachedAttachment, ResultCache
 from cni_agent.cni.config import SHIM_TYPE, NetworkConfigList, PluginConf, parse_list_or_none
@@ -216,7 +217,18 @@ class CNIRuntime:
         self, net: NetworkConfigList, plugin: PluginConf, inv: Invocation, stdin: bytes,
         timeout: float | ChainDeadline,
     ) -> bytes:
-        """One plugin execution: `timeout` seconds, or what is left of its chain's deadline."""
+        """One plugin execution: `timeout` seconds, or what is left of its chain's
+        deadline; with the call's trace context, when it has one (`tracectx`)."""
+        call = tracectx.current()
+        if call is None:
+            return await self._exec(net, plugin, inv, stdin, timeout)
+        with call.plugin(inv, plugin.type, net.name) as traced:
+            return await self._exec(net, plugin, traced, stdin, timeout)
+
+    async def _exec(
+        self, net: NetworkConfigList, plugin: PluginConf, inv: Invocation, stdin: bytes,
+        timeout: float | ChainDeadline,
+    ) -> bytes:
         with log_fields(CNI_COMMAND=inv.command, PLUGIN=plugin.type, NETWORK=net.name,
                         IFNAME=inv.ifname, SANDBOX_ID=inv.container_id):
             try:

@@ -4,7 +4,9 @@ The agent's files (every layer), then every network file of `conf_dir` as
 the daemon reads them (`cni.config.load_dir`: parse, cniVersion supported),
 each valid network's plugins present in a trusted plugin dir (`cni.trust`)
 and supporting its cniVersion (their VERSION, as the readiness monitor asks).
-One line per problem; nothing is written, no bus is needed.
+One line per problem, and one per warning (a key that takes no effect here:
+`tracing.otlp_endpoint` without the OpenTelemetry SDK), which alone leaves
+the check clean; nothing is written, no bus is needed.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from cni_agent.cni.config import NetworkConfigList, load_dir
 from cni_agent.cni.errors import ConfigError
 from cni_agent.cni.exec import ProcessExecutor
 from cni_agent.cni.runtime import CNIRuntime, Timeouts
-from cni_agent.config import AgentConfig
+from cni_agent.config import AgentConfig, tracing_sdk_missing
 
 EXIT_CLEAN, EXIT_PROBLEMS = 0, 1
 
@@ -28,6 +30,8 @@ class Report:
     problems: tuple[str, ...]
     networks: tuple[str, ...]
     default: str
+    # What works, but not as configured (the agent logs the same at start).
+    warnings: tuple[str, ...] = ()
 
     def summary(self, cfg: AgentConfig) -> str:
         files = ", ".join(cfg.sources) or "no file (defaults)"
@@ -82,7 +86,16 @@ def check(cfg: AgentConfig) -> Report:
     elif not default and not cfg.fallback_network:
         problems.append(f"{cfg.conf_dir}: no valid network configuration: the agent would not "
                         "become ready (fallback_network is false)")
-    return Report(tuple(problems), tuple(valid), default)
+    return Report(tuple(problems), tuple(valid), default, tuple(_warnings(cfg)))
+
+
+def _warnings(cfg: AgentConfig) -> list[str]:
+    """Keys that take no effect here: spans need the OpenTelemetry SDK."""
+    missing = tracing_sdk_missing() if cfg.tracing.otlp_endpoint else ""
+    if not missing:
+        return []
+    return [f"{cfg.origin('tracing.otlp_endpoint')}: warning: tracing.otlp_endpoint is set, but "
+            f"{missing}; no spans are exported (plugins still get the callers' trace context)"]
 
 
 def _default(cfg: AgentConfig, valid: Sequence[str]) -> str:

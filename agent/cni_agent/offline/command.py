@@ -34,7 +34,7 @@ def _run(verb: str, path: str | None, as_json: bool) -> int:
         print(f"cni-agent: {e}", file=sys.stderr)
         return EXIT_UNUSABLE
     report = check(cfg)
-    for line in report.problems:
+    for line in (*report.problems, *report.warnings):
         print(line)
     if report.problems:
         return EXIT_PROBLEMS

@@ -26,6 +26,7 @@ from dbus_fast.errors import DBusError
 
 from cni_agent.api import ERROR_PREFIX, AgentError, ErrorKind, wire_text
 from cni_agent.cni.errors import InvalidArgument
+from cni_agent.cni.tracectx import TRACE_ENV
 from cni_agent.sandboxes.errors import classify
 from cni_agent.sandboxes.policy import Caller, Role, Scope
 from cni_agent.service.auth import Authorizer
@@ -184,7 +185,9 @@ async def cnicall(shim: ShimCalls, caller: Caller, environment: Mapping[str, str
                   config: str) -> tuple[int, str]:
     """CNICall's work, once admitted: (exit status, stdout) as a plugin answers."""
     check_cnicall(caller, environment, len(config.encode()))
-    env = {k: v for k, v in environment.items() if k.startswith("CNI_")}
+    # The CNI_* variables, and the runtime's W3C trace context (libcni 1.3
+    # gives plugins TRACEPARENT, TRACESTATE and BAGGAGE: cni/tracectx.py).
+    env = {k: v for k, v in environment.items() if k.startswith("CNI_") or k in TRACE_ENV}
     answer = await shim.handle(env, config)
     output = answer.output
     if not caller.privileged and len(output) > UNPRIVILEGED_MAX_REPLY:

@@ -34,9 +34,11 @@ from cni_agent.cni.errors import (
 )
 from cni_agent.cni.result import convert_result
 from cni_agent.cni.runtime import LEGACY_ATTACHMENTS_KEY, VALID_ATTACHMENTS_KEY
+from cni_agent.cni.tracectx import TraceContext, parse_trace_context
 from cni_agent.readiness.monitor import Monitor
 from cni_agent.sandboxes.attach import Attachments, AttachRequest
 from cni_agent.sandboxes.errors import Hinted, classify
+from cni_agent.service.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +93,7 @@ class ShimCall:
     args: tuple[tuple[str, str], ...] = ()
     capabilities: Mapping[str, Any] = field(default_factory=dict)
     valid: frozenset[tuple[str, str]] = frozenset()
+    trace: TraceContext | None = None  # the runtime's TRACEPARENT, TRACESTATE, BAGGAGE
 
 
 def command_of(env: Mapping[str, str]) -> str:
@@ -153,6 +156,15 @@ def _valid_attachments(conf: Mapping[str, Any]) -> frozenset[tuple[str, str]]:
     return frozenset(out)
 
 
+def parse_trace(env: Mapping[str, str]) -> TraceContext | None:
+    """The runtime's trace context, as libcni gives a plugin: code 4 naming the
+    variable when one is not W3C's."""
+    try:
+        return parse_trace_context(env)
+    except InvalidArgument as e:
+        raise Refusal(CODE_INVALID_ENV, str(e)) from None
+
+
 def parse_call(env: Mapping[str, str], config: str) -> ShimCall:
     """The request as the shim received it, checked; raises Refusal."""
     command = command_of(env)
@@ -183,7 +195,8 @@ def parse_call(env: Mapping[str, str], config: str) -> ShimCall:
     if command == "STATUS":
         return call
     if command == "GC":
-        return ShimCall(command, version, origin, network, valid=_valid_attachments(conf))
+        return ShimCall(command, version, origin, network, valid=_valid_attachments(conf),
+                        trace=parse_trace(env))
     caps = conf.get("runtimeConfig", {})
     if not isinstance(caps, dict):
         raise Refusal(CODE_INVALID_CONFIG, '"runtimeConfig" must be a JSON object')
@@ -197,6 +210,7 @@ def parse_call(env: Mapping[str, str], config: str) -> ShimCall:
         ifname=_env(env, "CNI_IFNAME", True),
         args=parse_cni_args(_env(env, "CNI_ARGS", False)),
         capabilities=caps,
+        trace=parse_trace(env),
     )
 
 
@@ -254,13 +268,24 @@ def failure_answer(call: ShimCall, e: BaseException) -> Answer:
     return error_answer(CODE_INTERNAL, err.message, version=v, kind=err.kind)
 
 
+def _attributes(call: ShimCall) -> dict[str, str]:
+    """The call span's attributes (service/otlp.py)."""
+    attributes = {"cni.command": call.command, "cni.runtime_network": call.origin}
+    if call.network:
+        attributes["cni.network"] = call.network
+    if call.container_id:
+        attributes.update({"cni.container_id": call.container_id, "cni.ifname": call.ifname})
+    return attributes
+
+
 class ShimCalls:
     """Serves `CNICall`: one method for every verb of the shim."""
 
     def __init__(self, attachments: Attachments, monitor: Monitor,
                  on_call: Callable[[str, Answer, float], None] = lambda command, answer, seconds: None,
-                 first_verdict: float = 10.0) -> None:
+                 first_verdict: float = 10.0, tracing: Tracing | None = None) -> None:
         self.attachments = attachments
+        self.tracing = tracing or Tracing()
         self.monitor = monitor
         self._on_call = on_call  # (command, the answer, seconds): metrics
         # How long a STATUS at start-up waits for the first verdict (timeouts.status:
@@ -296,6 +321,11 @@ class ShimCalls:
                 return error_answer(CODE_NOT_AVAILABLE, reason, version=call.cni_version,
                                     kind=str(ErrorKind.NOT_READY))
             return Answer(0, "")
+        with self.tracing.call(f"CNICall {call.command}", call.trace, lambda: _attributes(call)):
+            return await self._traced(call)
+
+    async def _traced(self, call: ShimCall) -> Answer:
+        """ADD, DEL, CHECK and GC: the verbs that run plugins, within the call's trace."""
         if call.command == "GC":
             errors = await self.attachments.collect(call.origin, call.valid)
             if errors:

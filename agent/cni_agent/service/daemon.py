@@ -275,7 +275,8 @@ class Daemon:
         self.iface = AgentInterface(self.manager, self.monitor, self.pod_cidrs,
                                     Authorizer(bus, self.cfg.access.groups, Polkit(bus)), self.reload,
                                     shim=self.core.shim, on_operation=self.core.metrics.operation,
-                                    check_now=self.core.drift.check_now)
+                                    check_now=self.core.drift.check_now,
+                                    tracing=self.core.tracing)
         self.core.checks.subscribe(self.iface.on_check)
         self.iface.gate.send = bus.send
         self.iface.watchers.bus = bus  # WatchSandboxes' signals, unicast

@@ -15,6 +15,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
 from dbus_fast import Variant
@@ -31,6 +32,7 @@ from cni_agent.api import (
     wire_text,
 )
 from cni_agent.cni.args import PodMeta
+from cni_agent.cni.tracectx import TRACE_ENV, parse_trace_context
 from cni_agent.readiness.monitor import Monitor, NetworkState
 from cni_agent.readiness.podcidrs import PodCIDRs
 from cni_agent.sandboxes.attach import AttachRequest
@@ -42,6 +44,7 @@ from cni_agent.service.callers import Callers, InFlight, cnicall, error_of, inva
 from cni_agent.service.cnicall import ShimCalls, command_of
 from cni_agent.service.gate import Gate, close_all
 from cni_agent.service.watchers import Watchers
+from cni_agent.service.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +52,10 @@ log = logging.getLogger(__name__)
 MAX_CAPABILITIES_BYTES = 64 * 1024
 MAX_JSON_DEPTH = 32
 MAX_WAIT = 24 * 3600.0
+# The W3C trace context (TRACEPARENT, TRACESTATE, BAGGAGE: cni/tracectx.py) is
+# an option of every method that runs plugins.
 OPTION_KEYS = {"networks": "a(ss)", "args": "a{ss}", "pod": "a{ss}", "capabilities": "s",
-               "netns_fd": "h"}
+               "netns_fd": "h", **dict.fromkeys(TRACE_ENV, "s")}
 
 # Method name → the D-Bus input signature (checked before dispatch, so a wrong
 # signature is InvalidArgument, not a generic UnknownMethod).
@@ -66,7 +71,9 @@ SIGNAL_ARGS = {"AttachmentDrifted": ("sandbox_id", "network", "ifname", "reason"
                "AttachmentCheckChanged": ("sandbox_id", "network", "ifname", "state", "reason"),
                "SandboxChanged": ("sandbox_id", "change", "owner_uid", "attachments")}
 # Attach takes Setup's options but one network: `networks` and `pod` are Setup's.
-ATTACH_OPTIONS = ("args", "capabilities", "netns_fd")
+ATTACH_OPTIONS = ("args", "capabilities", "netns_fd", *TRACE_ENV)
+
+_TRACE_KEYS = frozenset(TRACE_ENV)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -162,6 +169,9 @@ def parse_options(options: Mapping[str, Any], known: Sequence[str] = tuple(OPTIO
         if not isinstance(fd, int) or fd not in fds:
             raise invalid("options.netns_fd", "no file descriptor came with the call")
         out["netns_fd"] = fd
+    if not _TRACE_KEYS.isdisjoint(options):
+        out["trace"] = parse_trace_context(
+            {key: _variant(options, key) for key in TRACE_ENV if key in options}, "options.")
     return out
 
 
@@ -177,8 +187,10 @@ class AgentInterface(ServiceInterface):
         shim: ShimCalls,
         on_operation: Callable[[str, str, float], None] = lambda method, result, seconds: None,
         check_now: Callable[[list[str], Caller], Awaitable[list[dict[str, Any]]]] | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         super().__init__(INTERFACE)
+        self.tracing = tracing or Tracing()
         for sig in ServiceInterface._get_signals(self):
             for arg, name in zip(sig.introspection.args, SIGNAL_ARGS.get(sig.name, ()),
                                  strict=False):
@@ -241,6 +253,19 @@ class AgentInterface(ServiceInterface):
             if info.big:
                 self._collect_soon()
             self._on_operation(name, result, time.monotonic() - arrived)
+
+    def _traced(self, name: str, opts: Mapping[str, Any], sandbox_id: str, network: str = "",
+                ifname: str = "") -> AbstractContextManager[object]:
+        """Around a method's work: its trace (the caller's options, `tracing`)."""
+        def attributes() -> dict[str, str]:
+            found = {"cni.container_id": sandbox_id}
+            if network:
+                found["cni.network"] = network
+            if ifname:
+                found["cni.ifname"] = ifname
+            return found
+
+        return self.tracing.call(name, opts.get("trace"), attributes)
 
     def _collect_soon(self) -> None:
         """A huge call (anyone may send 32 MiB) is kept alive after its answer by
@@ -378,7 +403,8 @@ class AgentInterface(ServiceInterface):
             req = SetupRequest(sandbox_id, netns, opts.get("networks", ()), opts.get("args", ()),
                                opts.get("pod"), opts.get("capabilities", {}),
                                netns_fd=opts.get("netns_fd"), caller=caller)
-            return json.dumps(await self.manager.setup(req))
+            with self._traced("Setup", opts, sandbox_id):
+                return json.dumps(await self.manager.setup(req))
 
         result: str = await self._serve("Setup", work)
         return result
@@ -388,7 +414,8 @@ class AgentInterface(ServiceInterface):
     async def Teardown(self, sandbox_id: str, netns: str, options: dict[str, Variant]) -> None:
         async def work(caller: Caller) -> None:
             opts = parse_options(options, fds=self.gate.call.get().fds)
-            await self.manager.teardown(sandbox_id, netns, caller, opts.get("netns_fd"))
+            with self._traced("Teardown", opts, sandbox_id):
+                await self.manager.teardown(sandbox_id, netns, caller, opts.get("netns_fd"))
 
         await self._serve("Teardown", work)
 
@@ -397,7 +424,8 @@ class AgentInterface(ServiceInterface):
     async def Check(self, sandbox_id: str, netns: str, options: dict[str, Variant]) -> None:
         async def work(caller: Caller) -> None:
             opts = parse_options(options, fds=self.gate.call.get().fds)
-            await self.manager.check(sandbox_id, netns, caller, opts.get("netns_fd"))
+            with self._traced("Check", opts, sandbox_id):
+                await self.manager.check(sandbox_id, netns, caller, opts.get("netns_fd"))
 
         await self._serve("Check", work)
 
@@ -495,7 +523,8 @@ class AgentInterface(ServiceInterface):
             req = AttachRequest(sandbox_id, netns, network, ifname or DEFAULT_IFNAME,
                                 opts.get("args", ()), opts.get("capabilities", {}),
                                 netns_fd=opts.get("netns_fd"), caller=caller)
-            return json.dumps(await self.shim.attachments.attach(req))
+            with self._traced("Attach", opts, sandbox_id, network, ifname):
+                return json.dumps(await self.shim.attachments.attach(req))
 
         result: str = await self._serve("Attach", work)
         return result
@@ -506,9 +535,10 @@ class AgentInterface(ServiceInterface):
                      options: dict[str, Variant]) -> None:
         async def work(caller: Caller) -> None:
             opts = parse_options(options, ATTACH_OPTIONS, self.gate.call.get().fds)
-            await self.shim.attachments.detach(sandbox_id, netns, network,
-                                               ifname or DEFAULT_IFNAME, caller=caller,
-                                               netns_fd=opts.get("netns_fd"))
+            with self._traced("Detach", opts, sandbox_id, network, ifname):
+                await self.shim.attachments.detach(sandbox_id, netns, network,
+                                                   ifname or DEFAULT_IFNAME, caller=caller,
+                                                   netns_fd=opts.get("netns_fd"))
 
         await self._serve("Detach", work)
 

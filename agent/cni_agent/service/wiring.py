@@ -32,6 +32,7 @@ from cni_agent.sandboxes.store import SandboxStore
 from cni_agent.service.cnicall import ShimCalls
 from cni_agent.service.metrics import Metrics
 from cni_agent.service.queued import QueuedTeardowns
+from cni_agent.service.tracing import Tracing
 
 
 def policy_of(cfg: AgentConfig) -> Policy:
@@ -76,6 +77,7 @@ class Core:
     checks: Checks
     drift: DriftPasses
     queued: QueuedTeardowns
+    tracing: Tracing
 
     async def stop(self) -> None:
         await self.queued.stop()
@@ -85,6 +87,7 @@ class Core:
         self.journal.paths.stop()
         self.journal.guard.close()
         await self.journal.store.close()
+        await self.tracing.close()
 
 
 def build_core(cfg: AgentConfig, executor: Executor | None = None) -> Core:
@@ -135,7 +138,9 @@ def build_core(cfg: AgentConfig, executor: Executor | None = None) -> Core:
                         concurrency=cfg.check.concurrency)
     manager.on_set_up = drift.baseline
     attachments = Attachments(manager)
-    shim = ShimCalls(attachments, monitor, on_call=metrics.shim_call, first_verdict=t.status)
+    tracing = Tracing.from_config(cfg.tracing)
+    shim = ShimCalls(attachments, monitor, on_call=metrics.shim_call, first_verdict=t.status,
+                     tracing=tracing)
     queued = QueuedTeardowns(shim, journal.store, manager, on_outcome=metrics.queued_teardown)
     return Core(runtime, monitor, journal, locks, reaper, pod_cidrs, manager, attachments, shim,
-                metrics, checks, drift, queued)
+                metrics, checks, drift, queued, tracing)
