@@ -43,8 +43,8 @@ from cni_agent.service.auth import Authorizer
 from cni_agent.service.callers import Callers, InFlight, cnicall, error_of, invalid
 from cni_agent.service.cnicall import ShimCalls, command_of
 from cni_agent.service.gate import Gate, close_all
-from cni_agent.service.watchers import Watchers
 from cni_agent.service.tracing import Tracing
+from cni_agent.service.watchers import Watchers
 
 log = logging.getLogger(__name__)
 
