@@ -19,7 +19,8 @@ ERROR_PREFIX = "org.cniagent.Agent1.Error."
 # 3: ResetPodCIDRs, PodCIDRsSource.
 # 4: AttachmentCheckChanged.
 # 5: option netns_fd on Teardown, Detach and Check (a member's namespace again);
-#    WatchSandboxes and SandboxChanged, and the check signals unicast to watchers.
+#    NetworkCapacity; WatchSandboxes and SandboxChanged, and the check signals
+#    unicast to watchers; the options TRACEPARENT, TRACESTATE and BAGGAGE.
 INTERFACE_REVISION = 5
 
 
