@@ -1,3 +1,3 @@
 """cni-agent: a node agent that owns CNI networking."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
