@@ -58,6 +58,7 @@ CONTRACT_DEFAULTS = {
     "check": {"interval": 300, "repair": False, "concurrency": 4},  # issue 26: drift
     # added by this project (issue 16): metrics and probes, off; web_config (issue 46): TLS and auth, none
     "http": {"listen": "", "web_config": ""},
+    "tracing": {"otlp_endpoint": ""},  # issue 47: spans, off
     "antispoof": "members",  # issue 44: members' bridge attachments filtered
     "bus": "system",
     "log_level": "info",
