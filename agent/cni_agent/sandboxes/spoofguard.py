@@ -112,6 +112,10 @@ class Guard:
         self.filters = filters
         self.mode = mode
         self._unavailable: str | None = None  # None: not probed yet; "": available
+        # The ports filtered as far as this run knows (installed by `added`, or
+        # expected by the last presence check): when the last goes, so does the
+        # nftables context, at once rather than at the next pass.
+        self._ports: set[str] = set()
 
     async def unavailable(self) -> str:
         """Why no filter can be installed on this node ("" when they can);
@@ -164,6 +168,7 @@ class Guard:
             return
         f = port_filter(att, net, result)
         assert self.filters is not None
+        self._ports.add(f.port)  # before: a failed install may have left part of it
         try:
             await self.filters.install(f)
         except FilterError as e:
@@ -195,6 +200,10 @@ class Guard:
         except FilterError as e:
             log.warning("sandbox %s: the anti-spoofing filter of %s stays (the next CHECK pass "
                         "removes it): %s", sandbox_id, f.port, e)
+            return
+        self._ports.discard(f.port)
+        if not self._ports:
+            await self.idle()
 
     # --- the presence check -------------------------------------------------------------
 
@@ -259,6 +268,7 @@ class Guard:
                 report.removed.append(port)
             except FilterError as e:
                 report.errors.append(f"the stale anti-spoofing filter of {port} stays: {e}")
+        self._ports = set(expected)
         if not expected and not report.errors:
             await self.idle()
         return report
