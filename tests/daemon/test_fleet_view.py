@@ -214,8 +214,17 @@ def test_dashboard_queries_and_alert_rules_work_on_a_live_agent(
     # second network's failure is no longer alerted on its own.
     control.set("STATUS", "fail", code=50, msg="the daemon is down")
     prom.wait_alert("CNIAgentNetworkNotReady")
-    [alert] = [a for a in prom.api("alerts")["alerts"]
-               if a["labels"]["alertname"] == "CNIAgentNetworkNotReady"]
+    # The description is rendered at each evaluation from the reason's latest
+    # sample: the first one may come from a scrape taken between NetworkReady
+    # going false and the monitor naming why (seen once in CI: "unknown").
+    deadline = time.monotonic() + 10
+    while True:
+        [alert] = [a for a in prom.api("alerts")["alerts"]
+                   if a["labels"]["alertname"] == "CNIAgentNetworkNotReady"]
+        if "(reason: status_failed)" in alert["annotations"]["description"] \
+                or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert "(reason: status_failed)" in alert["annotations"]["description"], alert
     assert alert["annotations"]["runbook_url"] == \
         "file:///usr/share/doc/cni-agent/docs/troubleshooting.md#networkready-is-false"
