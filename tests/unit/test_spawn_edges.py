@@ -81,9 +81,13 @@ async def test_exits_are_seen_on_a_second_loop_and_in_another_thread(tmp_path: P
     # A new loop in this thread's place, then loops in two threads at once.
     assert await asyncio.to_thread(elsewhere) == b"{}\n"
     assert await asyncio.to_thread(elsewhere) == b"{}\n"
-    both = await asyncio.gather(asyncio.to_thread(elsewhere),
-                                executor.execute("ok", binary, ADD, b"{}", 10))
-    assert list(both) == [b"{}\n", b"{}\n"]
+    # Rounds of it: one loop's sweep once took another's plugin, spawned and not
+    # yet registered, for a leftover and killed it (a third of the rounds).
+    for _ in range(30):
+        four = await asyncio.gather(asyncio.to_thread(elsewhere), asyncio.to_thread(elsewhere),
+                                    executor.execute("ok", binary, ADD, b"{}", 10),
+                                    executor.execute("ok", binary, ADD, b"{}", 10))
+        assert list(four) == [b"{}\n"] * 4
 
 
 async def test_one_failing_exit_callback_does_not_lose_the_others() -> None:

@@ -140,6 +140,10 @@ class Leftovers:
         self._files: dict[int, int] = {}  # thread id -> its open children file
         self._adopting = False  # every child that is no plugin in flight is a plugin's
         self._zombies: set[int] = set()  # exited plugins whose run is over, not yet reaped
+        # Held from a spawn to its `started`, and while a sweep lists strangers:
+        # loops in other threads may share this registry, and one's sweep must
+        # not see another's plugin before it is registered (it would kill it).
+        self.lock = threading.Lock()
 
     def adopt(self) -> bool:
         """Make this process the reaper of what plugins leave, and take every child
@@ -159,9 +163,9 @@ class Leftovers:
     def ended(self, pid: int, reaped: bool = True) -> None:
         """Plugin `pid`'s run is over; not `reaped` yet: a zombie of ours, no
         leftover, until `reaped`."""
-        self._running.pop(pid, None)
-        if not reaped:
+        if not reaped:  # before it leaves `_running`: never a stranger meanwhile
             self._zombies.add(pid)
+        self._running.pop(pid, None)
 
     def reaped(self, pid: int) -> None:
         self._zombies.discard(pid)
@@ -195,7 +199,9 @@ class Leftovers:
     def _strangers(self) -> set[int]:
         """Our children that are neither a plugin in flight nor being reaped (nor
         an exited plugin about to be)."""
-        return self._our_children() - self._running.keys() - self._reaping.keys() - self._zombies
+        with self.lock:
+            return (self._our_children() - self._running.keys() - self._reaping.keys()
+                    - self._zombies)
 
     def sweep(self, pid: int, token: str) -> list[Left]:
         """Kill what the run of plugin `pid` (token `token`) left, and what

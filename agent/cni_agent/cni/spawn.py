@@ -207,10 +207,12 @@ class Child:
                 self._fill()
             if _cloexec is not None:
                 _cloexec()
-            self.pid = os.posix_spawn(binary, [binary], env, setsid=True,
-                                      setsigdef=_DEFAULT_SIGNALS,
-                                      file_actions=((_DUP2, in_r, 0), (_DUP2, out_w, 1),
-                                                    (_DUP2, err_w, 2), *_CLOSE_REST))
+            with leftovers.lock:  # registered before another thread's sweep can see it
+                self.pid = os.posix_spawn(binary, [binary], env, setsid=True,
+                                          setsigdef=_DEFAULT_SIGNALS,
+                                          file_actions=((_DUP2, in_r, 0), (_DUP2, out_w, 1),
+                                                        (_DUP2, err_w, 2), *_CLOSE_REST))
+                leftovers.started(self.pid, token)
         except BaseException:
             for fd in fds:
                 os.close(fd)
@@ -225,11 +227,11 @@ class Child:
         except BaseException:
             kill_group(self.pid)
             os.waitpid(self.pid, 0)
+            leftovers.ended(self.pid)
             for fd in (self._stdin_fd, out_r, err_r):
                 if fd >= 0:
                     os.close(fd)
             raise
-        leftovers.started(self.pid, token)
         self._out_fd, self._err_fd = out_r, err_r
         self._caps = {out_r: max_stdout, err_r: max_stderr}
         self._bufs = {out_r: bytearray(), err_r: bytearray()}
