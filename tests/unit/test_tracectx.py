@@ -243,7 +243,7 @@ def test_config_check_warns_without_the_sdk_and_stays_clean(tmp_path: Path) -> N
     # machine without it), the warning goes.
     with_sdk = check({})
     assert with_sdk.returncode == 0, with_sdk.stdout + with_sdk.stderr
-    have_sdk = importlib.util.find_spec("opentelemetry.sdk") is not None
+    have_sdk = all(importlib.util.find_spec(m) for m in ("opentelemetry", "opentelemetry.sdk"))
     assert with_sdk.stdout.splitlines()[0] == (ok if have_sdk else warning), with_sdk.stdout
 
 
