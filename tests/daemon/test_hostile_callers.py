@@ -144,11 +144,13 @@ def test_a_members_gc_loop_never_reaps_roots_sandboxes(
     try:
         for i in range(150):  # many records: each of a member's GCs reads them all (on main)
             assert client.call("Setup", "ssa{sv}", [f"old{i}", netns, {}])[0] is None
-        stop = time.monotonic() + 12
+        # 6 s of it (about 200 root Setups here, raced by the member's GCs,
+        # each reading every record): the race needs overlap, not length.
+        stop = time.monotonic() + 6
         loop = threading.Thread(target=member_python, args=(member, agent.bus.address, f"""
             async def main(call):
                 n = 0
-                while time.time() < {time.time() + 12}:
+                while time.time() < {time.time() + 6}:
                     err, _ = await call("GarbageCollect", "as", [[]])
                     assert err is None, err
                     n += 1
