@@ -145,7 +145,7 @@ def _setup(lab: Lab, way: str, env: dict[str, str] | None, pattern: str,
     shim = ShimPod(conf, lab.bus.address, str(agent.shim_socket))
 
     def run_pod(i: int) -> float:
-        return pod(shim.call, f"ab-{way}-{i}", lab.netns.add())
+        return pod(shim.call, f"ab-{way}-{i}", lab.netns.add(lo_up=True))  # as CRI-O hands it over
     assert agent.proc is not None
     return run_pod, agent.proc.pid
 

@@ -73,9 +73,9 @@ def main() -> int:
             capture_output=True, text=True, check=True).stdout)
         shim = ShimPod(conf, lab.bus.address, str(agent.shim_socket))
         for i in range(10):  # warm-up: imports, caches
-            pod(shim.call, f"warm-{i}", lab.netns.add())
+            pod(shim.call, f"warm-{i}", lab.netns.add(lo_up=True))
         lab.netns.close()
-        spaces = lab.netns.many(args.pods)
+        spaces = lab.netns.many(args.pods, lo_up=True)  # as CRI-O hands them over
         raw = args.out / "agent.collapsed"
         if args.cprofile:
             os.kill(pid, signal.SIGUSR1)

@@ -79,14 +79,18 @@ class NetnsPool:
     def __init__(self) -> None:
         self.names: list[str] = []
 
-    def add(self) -> str:
+    def add(self, lo_up: bool = False) -> str:
+        """A new namespace; with `lo_up`, its loopback up (as CRI-O leaves it
+        before its first CNI ADD)."""
         name = unique("n")
         subprocess.run(["ip", "netns", "add", name], check=True)
         self.names.append(name)
+        if lo_up:
+            subprocess.run(["ip", "-n", name, "link", "set", "lo", "up"], check=True)
         return f"/run/netns/{name}"
 
-    def many(self, count: int) -> list[str]:
-        return [self.add() for _ in range(count)]
+    def many(self, count: int, lo_up: bool = False) -> list[str]:
+        return [self.add(lo_up) for _ in range(count)]
 
     def close(self) -> None:
         for name in self.names:
