@@ -17,6 +17,7 @@ private bus, its signals read by a WatchSandboxes caller, its metrics over HTTP.
 from __future__ import annotations
 
 import json
+import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -258,6 +259,40 @@ def test_a_failed_repair_is_kept_lost_and_retried_until_it_succeeds_across_a_res
     assert metric(agent, "cni_agent_attachments_lost") == 0
     assert metric(agent, "cni_agent_repairs_total", result="retry_ok") == 1
     assert "ADDed again after it was lost" in agent.log()
+    agent.call("Teardown", "ssa{sv}", "web", netns, "0")
+    assert allocations(tmp_path / "ipam", "pods") == []
+
+
+def test_a_repair_killed_mid_add_is_kept_lost_not_dropped_and_repaired_after_the_restart(
+    make_agent: Callable[..., Agent], tmp_path: Path, control: Control, bridge_name: str,
+    netns: str,
+) -> None:
+    """The agent killed while a repair's re-ADD runs: the restart rolls that ADD
+    back and keeps the attachment lost (retried), as a failed ADD would; the
+    sandbox never leaves the record (it once did: recovery took the repair's
+    intent for an unfinished Setup and dropped the sandbox with it)."""
+    pods(tmp_path, control, bridge_name, bridge_ips=True)
+    agent = start(make_agent, tmp_path)
+    agent.setup("web", netns)
+    [ip] = addresses(netns)
+    wait_for(lambda: state(agent, "web") == "ok", timeout=5)
+    control.set("ADD", "hang", only=["testplug"])  # the repair's re-ADD never ends
+    control.set("CHECK", "fail", code=100, msg="rule gone", once=True, only=["testplug"])
+    wait_for(lambda: [r["command"] for r in control.records()
+                      if r.get("type") == "testplug"].count("ADD") == 2, timeout=10)
+    agent.stop(signal.SIGKILL)
+    control.set("ADD", "fail", code=11, msg="no room right now", only=["testplug"])
+    agent.start()
+    assert agent.call("WaitReady", "d", "10")[0] is True
+    assert agent.call("ListSandboxes")[0] == ["web"]
+    check = wait_for(lambda: (c := checked(agent, "web")).get("state") == "lost" and c,
+                     timeout=10)
+    assert check["attempts"] >= 1 and check["next_try"], check
+    assert "the repair of pods/eth0 was interrupted" in agent.log()
+    control.clear("ADD")  # the cause goes away: the retry ADDs it again
+    wait_for(lambda: state(agent, "web") == "ok", timeout=30)
+    assert addresses(netns) == [ip]
+    assert allocations(tmp_path / "ipam", "pods") == [ip.split("/")[0]]
     agent.call("Teardown", "ssa{sv}", "web", netns, "0")
     assert allocations(tmp_path / "ipam", "pods") == []
 

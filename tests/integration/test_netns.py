@@ -33,8 +33,11 @@ def _ip(*args: str) -> str:
     return subprocess.run(["ip", *args], check=True, capture_output=True, text=True).stdout
 
 
-def _netns_list() -> str:
-    return _ip("netns", "list")
+def _netns_list() -> list[str]:
+    """This process's named namespaces (`_unique_name`'s): test files running
+    alongside make and delete their own meanwhile."""
+    return sorted(line.split()[0] for line in _ip("netns", "list").splitlines()
+                  if line.startswith(f"cnitest-{os.getpid()}-"))
 
 
 @pytest.fixture

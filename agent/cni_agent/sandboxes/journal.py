@@ -21,6 +21,7 @@ completely and reports what it could not.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field, replace
@@ -47,7 +48,14 @@ from cni_agent.node.netns import (
 from cni_agent.sandboxes import cacheview
 from cni_agent.sandboxes.cacheview import entry_of
 from cni_agent.sandboxes.events import Change, Events, State
-from cni_agent.sandboxes.records import Attachment, DamagedRecord, Phase, SandboxRecord
+from cni_agent.sandboxes.records import (
+    Attachment,
+    CheckState,
+    CheckVerdict,
+    DamagedRecord,
+    Phase,
+    SandboxRecord,
+)
 from cni_agent.sandboxes.spoofguard import Guard
 from cni_agent.sandboxes.store import SandboxStore
 
@@ -385,7 +393,8 @@ class Journal:
             ready = set(ready)
             rec = rec.with_attachments(
                 replace(a, result=result if a.ifname == att.ifname else a.result,
-                        phase=Phase.READY if a.ifname in ready else a.phase)
+                        phase=Phase.READY if a.ifname in ready else a.phase,
+                        repairing=None if a.ifname == att.ifname else a.repairing)
                 for a in rec.attachments)
             self.store.mark_added(rec, att.ifname, ready)
             log.debug("sandbox %s: %s/%s added", rec.sandbox_id, net.name, att.ifname)
@@ -431,7 +440,11 @@ class Journal:
         others = list(left.attachments) if left else []
         # The record keeps the caller's capabilities (a runtime's repeat ADD is
         # compared with them); only this ADD asks for the same IPs and MAC.
-        new = replace(att, phase=Phase.ADDING, check=None, lost=None, result=None)
+        # What it is if this ADD never finishes (the agent killed meanwhile):
+        # lost, as after a failed ADD; a restart's recovery makes it so.
+        interrupted = lost(CNIError("its repair's ADD was under way when the agent stopped"))
+        new = replace(att, phase=Phase.ADDING, check=None, lost=None, result=None,
+                      repairing=interrupted.lost)
         begun = (left or rec).with_attachments([*others[:index], new, *others[index:]])
         self.store.write(begun)
         await self.store.commit()  # the intent, durable before the ADD
@@ -452,6 +465,40 @@ class Journal:
             self.store.write(kept)
             return kept, e
         return done, result
+
+    async def interrupted_repairs(self, rec: SandboxRecord, ns: Pinned | None) -> SandboxRecord:
+        """Recovery of repairs whose re-ADD a stop interrupted (their intent,
+        "adding" with `repairing`): each ADD rolled back (its DEL, in the
+        namespace when there is one; a failed DEL is the retry's first), and the
+        attachment kept lost, as a failed ADD leaves it: retried with backoff,
+        never dropped with the sandbox. The record as written."""
+        now = time.time()
+        pending = [a for a in rec.attachments if a.phase is Phase.ADDING and a.repairing]
+        for att in pending:
+            if ns is not None:
+                try:
+                    await self._delete(rec.sandbox_id, att, ns, None, rec.owner)
+                except CNIError as e:
+                    log.warning("sandbox %s: DEL of the interrupted repair of %s/%s failed "
+                                "(retried with it): %s", rec.sandbox_id, att.network,
+                                att.ifname, e)
+        gone = {a.ifname for a in pending}
+        kept = rec.with_attachments(
+            replace(a, phase=Phase.READY, lost=a.repairing, repairing=None, result=None,
+                    check=CheckState(CheckVerdict.LOST, now, a.repairing.reason,
+                                     repair=f"failed: {a.repairing.reason}"))
+            if a.ifname in gone and a.repairing else a
+            for a in rec.attachments)
+        self.store.write(kept)
+        await self.store.commit()
+        for att in pending:
+            log.error("sandbox %s: the repair of %s/%s was interrupted; the attachment is "
+                      "lost: kept in the record and retried", rec.sandbox_id, att.network,
+                      att.ifname)
+        if self.events.on:
+            self.events.emit(Change.LOST, kept.sandbox_id, kept.owner,
+                             [(a, State.LOST) for a in kept.attachments if a.ifname in gone])
+        return kept
 
     async def save(self, rec: SandboxRecord) -> None:
         """Write `rec` (the caller holds the sandbox's lock): it survives a killed

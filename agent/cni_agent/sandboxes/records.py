@@ -173,6 +173,11 @@ class Attachment:
     check: CheckState | None = None
     # Set while it is lost (its repair's re-ADD failed): an optional key too.
     lost: Lost | None = None
+    # In a repair's intent (its re-ADD under way): what it is if that ADD never
+    # finishes. A restart finding the intent rolls the ADD back and keeps the
+    # attachment lost with this, as a failed ADD would; cleared by the ADD's
+    # success. Older agents ignore the key (they roll the intent back).
+    repairing: Lost | None = field(default=None, compare=False)
     # The ADD chain's result, as the libcni cache entry holds it (the journal
     # is its source of truth: the cache is rewritten from it). None: no result
     # (not added yet, or lost). Not part of an attachment's identity.
@@ -193,6 +198,8 @@ class Attachment:
             doc["check"] = self.check.to_json()
         if self.lost is not None:
             doc["lost"] = self.lost.to_json()
+        if self.repairing is not None:
+            doc["repairing"] = self.repairing.to_json()
         if self.result is not None:
             doc["result"] = self.result
         return doc
@@ -211,6 +218,7 @@ class Attachment:
             origin=str(doc.get("origin", "")),
             check=CheckState.from_json(doc.get("check")),
             lost=Lost.from_json(doc.get("lost")),
+            repairing=Lost.from_json(doc.get("repairing")),
             result=result if isinstance(result, dict) else None,
         )
 

@@ -148,9 +148,11 @@ class SandboxStore:
             rec = self._records.get(sid)
             if rec is not None:
                 ready = {str(i) for i in doc.get("ready") or ()}
+                added = doc.get("ifname")
                 self._records[sid] = rec.with_attachments(
-                    replace(a, result=doc["result"] if a.ifname == doc.get("ifname") else a.result,
-                            phase=Phase.READY if a.ifname in ready else a.phase)
+                    replace(a, result=doc["result"] if a.ifname == added else a.result,
+                            phase=Phase.READY if a.ifname in ready else a.phase,
+                            repairing=None if a.ifname == added else a.repairing)
                     for a in rec.attachments)
             return
         try:
@@ -552,6 +554,7 @@ def recorded(state_dir: str) -> dict[str, dict[str, object]]:
                 for a in atts:  # type: ignore[attr-defined]
                     if a.get("ifname") == doc.get("ifname"):
                         a["result"] = doc.get("result")
+                        a.pop("repairing", None)  # its ADD finished
                     if a.get("ifname") in (doc.get("ready") or ()):
                         a["phase"] = "ready"
                 phases = {a.get("phase") for a in atts}  # type: ignore[attr-defined]
