@@ -284,7 +284,8 @@ def test_a_repair_killed_mid_add_is_kept_lost_not_dropped_and_repaired_after_the
     control.set("ADD", "fail", code=11, msg="no room right now", only=["testplug"])
     agent.start()
     assert agent.call("WaitReady", "d", "10")[0] is True
-    assert agent.call("ListSandboxes")[0] == ["web"]
+    # (Its retry is due at once: while that ADD runs, the sandbox is not listed.)
+    wait_for(lambda: agent.call("ListSandboxes")[0] == ["web"], timeout=10)
     check = wait_for(lambda: (c := checked(agent, "web")).get("state") == "lost" and c,
                      timeout=10)
     assert check["attempts"] >= 1 and check["next_try"], check
