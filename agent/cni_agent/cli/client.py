@@ -15,7 +15,7 @@ import contextlib
 import errno
 import json
 import os
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any, cast
@@ -481,47 +481,21 @@ class AgentClient:
         agent's state again once it is back. Ends only by raising
         `ClientError` (the bus connection is lost) or by being closed.
         """
-        queue: asyncio.Queue[Message | None] = asyncio.Queue()
+        def wanted(msg: Message) -> bool:
+            return (msg.member == "PropertiesChanged" and msg.interface == PROPERTIES
+                    and msg.path == OBJECT_PATH and msg.body[0] == INTERFACE)
 
-        def on_message(msg: Message) -> None:
-            if msg.message_type is not MessageType.SIGNAL or not msg.body:
-                return
-            if (msg.member == "PropertiesChanged" and msg.interface == PROPERTIES
-                    and msg.path == OBJECT_PATH and msg.body[0] == INTERFACE) or \
-                    (msg.member == "NameOwnerChanged" and msg.interface == DBUS_INTERFACE
-                     and msg.body[0] == BUS_NAME):
-                queue.put_nowait(msg)
-
-        disconnected = cast(Callable[[], Awaitable[None]], self._bus.wait_for_disconnect)
-
-        async def on_disconnect() -> None:
-            with contextlib.suppress(Exception):
-                await disconnected()
-            queue.put_nowait(None)
-
-        self._bus.add_message_handler(on_message)
-        lost = asyncio.create_task(on_disconnect())
-        try:
+        async with self._signals(wanted) as next_signal:
             await self._add_match(
                 f"type='signal',sender='{BUS_NAME}',path='{OBJECT_PATH}',"
                 f"interface='{PROPERTIES}',member='PropertiesChanged',arg0='{INTERFACE}'")
-            await self._add_match(
-                f"type='signal',sender='{DBUS_NAME}',interface='{DBUS_INTERFACE}',"
-                f"member='NameOwnerChanged',arg0='{BUS_NAME}'")
             state = await self.status()
             yield state
             while True:
-                msg = await queue.get()
-                if msg is None:
-                    raise ClientError("lost the bus", f"the connection to {describe_bus(self.bus_spec)} "
-                                      "was closed")
-                new = await self._apply(state, msg)
+                new = await self._apply(state, await next_signal())
                 if new != state:
                     state = new
                     yield state
-        finally:
-            lost.cancel()
-            self._bus.remove_message_handler(on_message)
 
     async def events(self) -> AsyncGenerator[dict[str, Any], None]:
         """Each sandbox event the agent sends this connection, as a JSON-ready
@@ -533,36 +507,14 @@ class AgentClient:
         (what happened meanwhile is not told). Ends only by raising
         `ClientError` (the bus connection is lost, WatchSandboxes refused) or
         by being closed."""
-        queue: asyncio.Queue[Message | None] = asyncio.Queue()
+        def wanted(msg: Message) -> bool:
+            return (msg.path == OBJECT_PATH and msg.interface == INTERFACE
+                    and msg.member in EVENT_SIGNALS)
 
-        def on_message(msg: Message) -> None:
-            if msg.message_type is not MessageType.SIGNAL or not msg.body:
-                return
-            if (msg.path == OBJECT_PATH and msg.interface == INTERFACE
-                    and msg.member in EVENT_SIGNALS) or \
-                    (msg.member == "NameOwnerChanged" and msg.interface == DBUS_INTERFACE
-                     and msg.body[0] == BUS_NAME):
-                queue.put_nowait(msg)
-
-        disconnected = cast(Callable[[], Awaitable[None]], self._bus.wait_for_disconnect)
-
-        async def on_disconnect() -> None:
-            with contextlib.suppress(Exception):
-                await disconnected()
-            queue.put_nowait(None)
-
-        self._bus.add_message_handler(on_message)
-        lost = asyncio.create_task(on_disconnect())
-        try:
-            await self._add_match(
-                f"type='signal',sender='{DBUS_NAME}',interface='{DBUS_INTERFACE}',"
-                f"member='NameOwnerChanged',arg0='{BUS_NAME}'")
+        async with self._signals(wanted) as next_signal:
             await self._call("WatchSandboxes")
             while True:
-                msg = await queue.get()
-                if msg is None:
-                    raise ClientError("lost the bus", f"the connection to "
-                                      f"{describe_bus(self.bus_spec)} was closed")
+                msg = await next_signal()
                 if msg.member == "NameOwnerChanged":
                     if not msg.body[2]:
                         yield {"agent_running": False}
@@ -574,6 +526,44 @@ class AgentClient:
                     yield {"agent_running": True}
                     continue
                 yield event_document(str(msg.member), list(msg.body))
+
+    @contextlib.asynccontextmanager
+    async def _signals(self, wanted: Callable[[Message], bool]
+                       ) -> AsyncIterator[Callable[[], Awaitable[Message]]]:
+        """While open, the signals `wanted` picks and the agent's own
+        NameOwnerChanged (its match added here), in order: the function
+        yielded awaits the next one, and raises ClientError once the bus
+        connection is lost."""
+        queue: asyncio.Queue[Message | None] = asyncio.Queue()
+
+        def on_message(msg: Message) -> None:
+            if msg.message_type is not MessageType.SIGNAL or not msg.body:
+                return
+            if wanted(msg) or (msg.member == "NameOwnerChanged" and msg.interface == DBUS_INTERFACE
+                               and msg.body[0] == BUS_NAME):
+                queue.put_nowait(msg)
+
+        disconnected = cast(Callable[[], Awaitable[None]], self._bus.wait_for_disconnect)
+
+        async def on_disconnect() -> None:
+            with contextlib.suppress(Exception):
+                await disconnected()
+            queue.put_nowait(None)
+
+        async def next_signal() -> Message:
+            msg = await queue.get()
+            if msg is None:
+                raise ClientError("lost the bus", f"the connection to "
+                                  f"{describe_bus(self.bus_spec)} was closed")
+            return msg
+
+        self._bus.add_message_handler(on_message)
+        lost = asyncio.create_task(on_disconnect())
+        try:
+            await self._add_match(
+                f"type='signal',sender='{DBUS_NAME}',interface='{DBUS_INTERFACE}',"
+                f"member='NameOwnerChanged',arg0='{BUS_NAME}'")
+            yield next_signal
         finally:
             lost.cancel()
             self._bus.remove_message_handler(on_message)

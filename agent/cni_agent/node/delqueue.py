@@ -28,6 +28,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
+from cni_agent.cni.cache import fsync_dir
+
 QUEUE_DIR = "queue"
 LOCK = ".lock"
 SUFFIX = ".del"
@@ -147,14 +149,6 @@ def scan(state_dir: str) -> list[Queued]:
     return sorted(found, key=lambda q: q.name)
 
 
-def _sync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def bind(q: Queued, generation: int) -> Queued:
     """`q` bound to `generation`, durably (rename, fsync of the directory). Blocking."""
     [bound] = bind_all([(q, generation)])
@@ -171,7 +165,7 @@ def bind_all(items: list[tuple[Queued, int]]) -> list[Queued]:
         directories.add(directory)
         out.append(replace(q, path=path, generation=generation))
     for directory in directories:
-        _sync_dir(directory)
+        fsync_dir(directory)
     return out
 
 
@@ -179,14 +173,14 @@ def remove(q: Queued) -> None:
     """Done with `q`: gone, durably. Blocking."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(q.path)
-    _sync_dir(os.path.dirname(q.path))
+    fsync_dir(os.path.dirname(q.path))
 
 
 def set_aside(q: Queued) -> str:
     """`q` cannot be used: renamed `<name>.bad`, for a person. Blocking."""
     path = os.path.join(os.path.dirname(q.path), q.name + BAD)
     os.rename(q.path, path)
-    _sync_dir(os.path.dirname(q.path))
+    fsync_dir(os.path.dirname(q.path))
     return path
 
 
