@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -296,6 +297,30 @@ def test_a_repair_killed_mid_add_is_kept_lost_not_dropped_and_repaired_after_the
     assert allocations(tmp_path / "ipam", "pods") == [ip.split("/")[0]]
     agent.call("Teardown", "ssa{sv}", "web", netns, "0")
     assert allocations(tmp_path / "ipam", "pods") == []
+
+
+def test_a_repair_killed_mid_add_whose_namespace_went_meanwhile_is_reaped_and_released(
+    make_agent: Callable[..., Agent], tmp_path: Path, control: Control, bridge_name: str,
+    netns: str,
+) -> None:
+    """The same kill, and the runtime deleted the namespace while the agent was
+    down: the restart keeps nothing half-made and leaks no address."""
+    pods(tmp_path, control, bridge_name, bridge_ips=True)
+    agent = start(make_agent, tmp_path)
+    agent.setup("web", netns)
+    wait_for(lambda: state(agent, "web") == "ok", timeout=5)
+    control.set("ADD", "hang", only=["testplug"])
+    control.set("CHECK", "fail", code=100, msg="rule gone", once=True, only=["testplug"])
+    wait_for(lambda: [r["command"] for r in control.records()
+                      if r.get("type") == "testplug"].count("ADD") == 2, timeout=10)
+    agent.stop(signal.SIGKILL)
+    subprocess.run(["ip", "netns", "delete", Path(netns).name], check=True)
+    control.clear("ADD")
+    agent.start()
+    assert agent.call("WaitReady", "d", "10")[0] is True
+    wait_for(lambda: agent.call("ListSandboxes")[0] == [], timeout=10)
+    wait_for(lambda: allocations(tmp_path / "ipam", "pods") == [], timeout=10)
+    assert "the repair of pods/eth0 was interrupted" in agent.log()  # kept lost, then reaped
 
 
 def test_teardown_of_a_sandbox_with_a_lost_attachment(

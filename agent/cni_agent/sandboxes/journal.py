@@ -452,13 +452,8 @@ class Journal:
             done, result = await self.add(begun, new, net, ns, ready=[att.ifname],
                                           capabilities=capabilities)
         except CNIError as e:
-            # Its rollback DEL (the spec requires it), then one write: still in
-            # the record, lost. A failed rollback DEL is the retry's first DEL.
-            try:
-                await self._delete(rec.sandbox_id, new, ns, None, rec.owner)
-            except CNIError as undo:
-                log.warning("sandbox %s: DEL after the failed ADD of %s/%s failed (retried "
-                            "with it): %s", rec.sandbox_id, att.network, att.ifname, undo)
+            # Its rollback DEL, then one write: still in the record, lost.
+            await self._undo_add(rec, new, ns, "the failed ADD")
             kept = begun.with_attachments(replace(lost(e), result=None)
                                           if a.ifname == att.ifname else a
                                           for a in begun.attachments)
@@ -466,38 +461,46 @@ class Journal:
             return kept, e
         return done, result
 
+    async def _undo_add(self, rec: SandboxRecord, att: Attachment, ns: Pinned | None,
+                        what: str) -> None:
+        """The rollback DEL of an ADD that did not finish (the spec requires it),
+        in the namespace when there is one. A DEL that fails is only logged: the
+        attachment stays lost, and its retry DELs first."""
+        if ns is None:
+            return
+        try:
+            await self._delete(rec.sandbox_id, att, ns, None, rec.owner)
+        except CNIError as e:
+            log.warning("sandbox %s: DEL after %s of %s/%s failed (retried with it): %s",
+                        rec.sandbox_id, what, att.network, att.ifname, e)
+
     async def interrupted_repairs(self, rec: SandboxRecord, ns: Pinned | None) -> SandboxRecord:
         """Recovery of repairs whose re-ADD a stop interrupted (their intent,
-        "adding" with `repairing`): each ADD rolled back (its DEL, in the
-        namespace when there is one; a failed DEL is the retry's first), and the
-        attachment kept lost, as a failed ADD leaves it: retried with backoff,
-        never dropped with the sandbox. The record as written."""
+        "adding" with `repairing`): each ADD rolled back, and the attachment
+        kept lost, as a failed ADD leaves it: retried with backoff, never
+        dropped with the sandbox. The record as written (`rec` when it has none)."""
+        pending = {a.ifname: a.repairing for a in rec.attachments
+                   if a.phase is Phase.ADDING and a.repairing is not None}
+        if not pending:
+            return rec
+        for att in rec.attachments:
+            if att.ifname in pending:
+                log.error("sandbox %s: the repair of %s/%s was interrupted; the attachment is "
+                          "lost: kept in the record and retried", rec.sandbox_id, att.network,
+                          att.ifname)
+                await self._undo_add(rec, att, ns, "the interrupted repair")
         now = time.time()
-        pending = [a for a in rec.attachments if a.phase is Phase.ADDING and a.repairing]
-        for att in pending:
-            if ns is not None:
-                try:
-                    await self._delete(rec.sandbox_id, att, ns, None, rec.owner)
-                except CNIError as e:
-                    log.warning("sandbox %s: DEL of the interrupted repair of %s/%s failed "
-                                "(retried with it): %s", rec.sandbox_id, att.network,
-                                att.ifname, e)
-        gone = {a.ifname for a in pending}
         kept = rec.with_attachments(
-            replace(a, phase=Phase.READY, lost=a.repairing, repairing=None, result=None,
-                    check=CheckState(CheckVerdict.LOST, now, a.repairing.reason,
-                                     repair=f"failed: {a.repairing.reason}"))
-            if a.ifname in gone and a.repairing else a
+            replace(a, phase=Phase.READY, lost=was, repairing=None, result=None,
+                    check=CheckState(CheckVerdict.LOST, now, was.reason,
+                                     repair=f"failed: {was.reason}"))
+            if (was := pending.get(a.ifname)) is not None else a
             for a in rec.attachments)
         self.store.write(kept)
         await self.store.commit()
-        for att in pending:
-            log.error("sandbox %s: the repair of %s/%s was interrupted; the attachment is "
-                      "lost: kept in the record and retried", rec.sandbox_id, att.network,
-                      att.ifname)
         if self.events.on:
             self.events.emit(Change.LOST, kept.sandbox_id, kept.owner,
-                             [(a, State.LOST) for a in kept.attachments if a.ifname in gone])
+                             [(a, State.LOST) for a in kept.attachments if a.ifname in pending])
         return kept
 
     async def save(self, rec: SandboxRecord) -> None:
