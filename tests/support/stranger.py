@@ -20,7 +20,7 @@ from typing import Any
 
 import dbus_fast
 
-from tests.support.agent import as_member, as_user
+from tests.support.agent import as_member, as_user, compiled_for_everyone
 
 WORKER = Path(__file__).with_name("stranger_worker.py")
 SYSTEM_PYTHON = "/usr/bin/python3"
@@ -57,8 +57,7 @@ def readable_dbus_fast() -> Path:
         atexit.register(shutil.rmtree, top, ignore_errors=True)
         shutil.copytree(Path(dbus_fast.__file__).parent, top / "dbus_fast",
                         ignore=shutil.ignore_patterns("__pycache__"))
-        for path in [top, *top.rglob("*")]:
-            os.chmod(path, 0o755 if path.is_dir() else 0o644)
+        compiled_for_everyone(top)
         _LIBRARY.append(top)
     return _LIBRARY[0]
 
