@@ -1,5 +1,9 @@
 """The agent's Prometheus metrics: one registry per agent, fed by the core's seams.
 
+Every series is a plain number here; prometheus_client (with the http.server,
+email and urllib it imports: ~30 ms of every start) is imported only when the
+registry is first read, by a scrape: an agent without `http.listen` never does.
+
 Nothing here is a second source of truth: readiness is read from the
 monitor's state at scrape time, sandboxes from the record store; the
 counters move where the work happens (the D-Bus methods, the one plugin
@@ -12,18 +16,11 @@ import bisect
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    ProcessCollector,
-    generate_latest,
-)
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
-from prometheus_client.metrics import MetricWrapperBase
-from prometheus_client.metrics_core import Metric
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.metrics_core import Metric
 
 from cni_agent.api import ErrorKind
 from cni_agent.cni.errors import (
@@ -51,7 +48,6 @@ _LOCK_BUCKETS = (0.001, 0.01, 0.1, 0.5, 1, 5, 10, 30, 60)
 # for readiness, a lock and a chain (minutes).
 _OPERATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10,
                       30, 60, 120, 300)
-_M = TypeVar("_M", bound=MetricWrapperBase)
 # The CNI codes the agent itself answers through the shim (cnicall.py), each
 # counted from 0 so an alert's increase() sees the first one.
 _SHIM_CODES = (CODE_INCOMPATIBLE_VERSION, CODE_UNKNOWN_CONTAINER, CODE_INVALID_ENV,
@@ -81,13 +77,11 @@ def plugin_result(e: BaseException | None) -> str:
 
 class Metrics:
     def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
-        # The series every call updates, several times: plain numbers (`_Counts`,
-        # `_Times`), read only when scraped; prometheus_client's own take a
-        # lock, and a Python loop over the buckets, at each update.
-        hot = _Hot()
-        r.register(hot)
+        # Every series a plain number (`_Counts`, `_Times`, `_Levels`), read only
+        # when scraped: prometheus_client's own take a lock, and a Python loop
+        # over the buckets, at each update, and its import costs every start.
+        self._hot = hot = _Hot()
+        self._registry: CollectorRegistry | None = None
         self.operations = hot.counts(
             "cni_agent_operations", "D-Bus method calls by method and result (ok or the error name)",
             ("method", "result"))
@@ -101,16 +95,15 @@ class Metrics:
         self.plugin_seconds = hot.times(
             "cni_agent_plugin_duration_seconds", "Wall time of one plugin execution",
             ("plugin", "verb"), _PLUGIN_BUCKETS)
-        self.transitions = Counter(
-            "cni_agent_readiness_transitions", "Changes of NetworkReady", registry=r)
-        self.ready = Gauge("cni_agent_network_ready", "NetworkReady (1 ready, 0 not)", registry=r)
-        self.network_ready = Gauge(
+        self.transitions = hot.counts("cni_agent_readiness_transitions", "Changes of NetworkReady")
+        self.ready = hot.levels("cni_agent_network_ready", "NetworkReady (1 ready, 0 not)")
+        self.network_ready = hot.levels(
             "cni_agent_network_status_ready",
-            "Per loaded network: 1 when its plugins answer STATUS, else 0", ("network",), registry=r)
-        self.invalid = Gauge("cni_agent_invalid_networks", "Configuration files refused", registry=r)
-        self.reaped = Counter(
+            "Per loaded network: 1 when its plugins answer STATUS, else 0", ("network",))
+        self.invalid = hot.levels("cni_agent_invalid_networks", "Configuration files refused")
+        self.reaped = hot.counts(
             "cni_agent_gc_attachments", "Attachments removed by recovery and GC, by how",
-            ("how",), registry=r)
+            ("how",))
         self.lock_wait = hot.times(
             "cni_agent_lock_wait_seconds", "Time waited for a sandbox lock", (), _LOCK_BUCKETS)
         self.lock_wait.touch(())
@@ -118,34 +111,34 @@ class Metrics:
                                "Requests refused Busy (a sandbox or network lock not free in time)",
                                ())
         self.busy.touch(())
-        self.sandboxes = Gauge("cni_agent_sandboxes", "Sandboxes with attachments", registry=r)
+        self.sandboxes = hot.levels("cni_agent_sandboxes", "Sandboxes with attachments")
         self.shim_calls = hot.counts(
             "cni_agent_shim_calls", "CNI calls forwarded by cni-agent-shim, by command and result "
             "(ok or the CNI error code)", ("command", "result"))
-        self.checks = Counter(
+        self.checks = hot.counts(
             "cni_agent_checks", "CHECKs of attachments by result: ok, failed (the plugin's "
             "CHECK failed after a pass: drift), unsupported (never passed), disabled (the "
             "network allows none), failed_to_run (a timeout, a plugin that could not start, "
-            "the agent's own error: no verdict, never repaired)", ("result",), registry=r)
-        self.drift = Counter(
+            "the agent's own error: no verdict, never repaired)", ("result",))
+        self.drift = hot.counts(
             "cni_agent_drift", "Attachments whose CHECK passed and then failed, by network",
-            ("network",), registry=r)
-        self.repairs = Counter(
+            ("network",))
+        self.repairs = hot.counts(
             "cni_agent_repairs", "Repairs of drifted attachments (check.repair), by result: ok, "
             "unverified (its new CHECK fails), new_address (re-created with another address), "
             "refused (it would change the address), failed (its re-ADD failed: lost), "
-            "retry_ok and retry_failed (a lost attachment ADDed again)", ("result",), registry=r)
-        self.lost = Gauge(
+            "retry_ok and retry_failed (a lost attachment ADDed again)", ("result",))
+        self.lost = hot.levels(
             "cni_agent_attachments_lost",
             "Attachments a failed repair left lost (kept in their record, ADDed again with "
-            "backoff until that succeeds or the sandbox is torn down)", registry=r)
-        self.tearing_down = Gauge(
+            "backoff until that succeeds or the sandbox is torn down)")
+        self.tearing_down = hot.levels(
             "cni_agent_sandboxes_tearing_down",
             "Sandboxes with an attachment whose removal has not finished (Show's state "
-            "tearing-down): a failed Teardown keeps it until one succeeds", registry=r)
-        self.reaping_passes = Counter(
+            "tearing-down): a failed Teardown keeps it until one succeeds")
+        self.reaping_passes = hot.counts(
             "cni_agent_reaping_passes", "Periodic reaping passes (gc.interval), by whether they "
-            "removed any attachment (freed: yes or no)", ("freed",), registry=r)
+            "removed any attachment (freed: yes or no)", ("freed",))
         self.shim_seconds = hot.times(
             "cni_agent_shim_call_duration_seconds",
             "Wall time of one CNI call forwarded by cni-agent-shim, by command",
@@ -166,65 +159,50 @@ class Metrics:
         # One series per reason, always there: 1 for the current one, 0 for the
         # others (all 0 when ready), as a state set is exported: `== 1` selects
         # it, and the others are at 0 for an alert's changes() or absent().
-        self.not_ready_reason = Gauge(
+        self.not_ready_reason = hot.levels(
             "cni_agent_not_ready_reason",
             "Why NetworkReady is false: 1 for the current reason, 0 for the others (all 0 "
-            "when ready)", ("reason",), registry=r)
-        self.ipam_addresses = Gauge(
+            "when ready)", ("reason",))
+        self.ipam_addresses = hot.levels(
             "cni_agent_ipam_addresses",
             "Addresses of each host-local range of each network, by state: size (the "
             "range's addresses host-local can lease), used (leased now), free; read at "
-            "scrape time; no series where the capacity is not known", ("network", "range", "state"),
-            registry=r)
-        self.ipam_used_ratio = Gauge(
+            "scrape time; no series where the capacity is not known", ("network", "range", "state"))
+        self.ipam_used_ratio = hot.levels(
             "cni_agent_ipam_pool_used_ratio",
             "Per network of known capacity: used/size of the range set with the fewest free "
             "addresses (each attachment takes one address of every range set): 1 is full",
-            ("network",), registry=r)
-        self.queued_teardowns = Counter(
+            ("network",))
+        self.queued_teardowns = hot.counts(
             "cni_agent_queued_teardowns", "DELs cni-agent-shim queued while no agent ran, by "
             "what the agent did with them: done (run), gone (nothing of their sandbox's "
             "generation left), stale (the sandbox set up again since: dropped), failed (kept, "
             "run again at the next start), refused (not root's, unreadable, or a request refused as "
             "such: set aside)",
-            ("outcome",), registry=r)
+            ("outcome",))
         for outcome in QUEUED_OUTCOMES:
-            self.queued_teardowns.labels(outcome)
-        # The agent's own CPU, memory and descriptors (process_*), as the
-        # default registry would have them.
-        ProcessCollector(registry=r)
+            self.queued_teardowns.touch((outcome,))
         self._last_ready: bool | None = None
-        self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], MetricWrapperBase] = {}
         for how in ("deleted", "rolled_back"):
-            self.reaped.labels(how)
+            self.reaped.touch((how,))
         for result in ("ok", "failed", "unsupported", "disabled", "failed_to_run"):
-            self.checks.labels(result)
+            self.checks.touch((result,))
         # Counters an alert takes increase() of exist from the start: a series
         # born at 1 would hide its first event.
         for result in ("ok", "unverified", "new_address", "refused", "failed", "retry_ok",
                        "retry_failed"):
-            self.repairs.labels(result)
+            self.repairs.touch((result,))
         for freed in ("yes", "no"):
-            self.reaping_passes.labels(freed)
+            self.reaping_passes.touch((freed,))
 
     # --- seams ---------------------------------------------------------------
 
     def on_state(self, state: NetworkState) -> None:
         """Monitor listener."""
         if self._last_ready is not None and state.ready != self._last_ready:
-            self.transitions.inc()
+            self.transitions.inc(())
         self._last_ready = state.ready
-        self.ready.set(1 if state.ready else 0)
-
-    def _child(self, metric: _M, *values: str) -> _M:
-        """metric.labels(*values), looked up once per label set: labels() checks
-        and locks on every call, and runs several times per request. Only for
-        metrics whose children are never removed (not `network_ready`)."""
-        key = (metric, values)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(*values)
-        return child  # type: ignore[return-value]  # labels() of an _M is an _M
+        self.ready.set((), 1 if state.ready else 0)
 
     def operation(self, method: str, result: str, seconds: float | None = None) -> None:
         self.operations.inc((method, result))
@@ -244,7 +222,7 @@ class Metrics:
             self.shim_seconds.observe((command,), seconds)
 
     def queued_teardown(self, outcome: str) -> None:
-        self.queued_teardowns.labels(outcome).inc()
+        self.queued_teardowns.inc((outcome,))
 
     def plugin_run(self, plugin: str, verb: str, result: str, seconds: float) -> None:
         """One plugin execution: its time and its outcome."""
@@ -259,18 +237,18 @@ class Metrics:
     def check(self, outcome: Outcome) -> None:
         """Checks listener: one CHECK of one attachment, or one repair."""
         if outcome.repair:
-            self._child(self.repairs, outcome.repair).inc()
+            self.repairs.inc((outcome.repair,))
             return
-        self._child(self.checks, outcome.result).inc()
+        self.checks.inc((outcome.result,))
         if outcome.drifted:
-            self._child(self.drift, outcome.network).inc()
+            self.drift.inc((outcome.network,))
 
     def reaping_pass(self, freed: bool) -> None:
-        self._child(self.reaping_passes, "yes" if freed else "no").inc()
+        self.reaping_passes.inc(("yes" if freed else "no",))
 
     def gc_report(self, deleted: int, rolled_back: int) -> None:
-        self.reaped.labels("deleted").inc(deleted)
-        self.reaped.labels("rolled_back").inc(rolled_back)
+        self.reaped.inc(("deleted",), deleted)
+        self.reaped.inc(("rolled_back",), rolled_back)
 
     def observe(self, executor: Executor) -> Executor:
         """The executor, with every execution counted and timed."""
@@ -286,14 +264,14 @@ class Metrics:
         self.network_ready.clear()
         for name in state.networks:
             ok = name not in failing and (name != state.default_network or monitor.healthy)
-            self.network_ready.labels(name).set(1 if ok else 0)
-            self._child(self.drift, name)  # at 0 until its first drift
-        self.invalid.set(len(state.invalid))
+            self.network_ready.set((name,), 1 if ok else 0)
+            self.drift.touch((name,))  # at 0 until its first drift
+        self.invalid.set((), len(state.invalid))
         for reason in REASONS:
-            self._child(self.not_ready_reason, reason).set(1 if reason == state.reason else 0)
-        self.sandboxes.set(sandboxes)
-        self.tearing_down.set(tearing_down)
-        self.lost.set(lost)
+            self.not_ready_reason.set((reason,), 1 if reason == state.reason else 0)
+        self.sandboxes.set((), sandboxes)
+        self.tearing_down.set((), tearing_down)
+        self.lost.set((), lost)
 
     def capacity(self, docs: Sequence[Mapping[str, Any]]) -> None:
         """The networks' capacity documents (`cni.pool.read_capacity`), just
@@ -307,27 +285,29 @@ class Metrics:
             for rs in doc["range_sets"]:
                 for rng in rs["ranges"]:
                     for state in ("size", "used", "free"):
-                        self.ipam_addresses.labels(name, rng["range"], state).set(rng[state])
-            self.ipam_used_ratio.labels(name).set(doc["used"] / doc["size"] if doc["size"] else 0)
+                        self.ipam_addresses.set((name, rng["range"], state), rng[state])
+            self.ipam_used_ratio.set((name,), doc["used"] / doc["size"] if doc["size"] else 0)
+
+    @property
+    def registry(self) -> CollectorRegistry:
+        """The registry a scrape reads: these series, and the agent's own CPU,
+        memory and descriptors (process_*) as the default registry has them.
+        Made (prometheus_client imported) on first use."""
+        if self._registry is None:
+            from prometheus_client import CollectorRegistry, ProcessCollector
+
+            self._registry = CollectorRegistry(auto_describe=True)
+            self._registry.register(self._hot)
+            ProcessCollector(registry=self._registry)
+        return self._registry
 
     def exposition(self) -> bytes:
-        # No `*_created` series: a timestamp per counter and histogram child that
-        # nobody alerts on, nearly doubling the page. prometheus_client's own
-        # switch (disable_created_metrics) is process-wide and missing from
-        # Debian 12's 0.16, so the samples are dropped here.
-        return generate_latest(_WithoutCreated(self.registry))
+        # No `*_created` series (a timestamp per counter and histogram child that
+        # nobody alerts on, nearly doubling the page): the families are made
+        # here, without them.
+        from prometheus_client import generate_latest
 
-
-class _WithoutCreated:
-    """A registry's families, without their `_created` samples."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self._registry = registry
-
-    def collect(self) -> Iterator[Metric]:
-        for family in self._registry.collect():
-            family.samples = [s for s in family.samples if not s.name.endswith("_created")]
-            yield family
+        return generate_latest(self.registry)
 
 
 class _MeteredExecutor:
@@ -369,6 +349,8 @@ class _Counts:
         self.values.setdefault(key, 0.0)
 
     def family(self) -> Metric:
+        from prometheus_client.core import CounterMetricFamily
+
         fam = CounterMetricFamily(self.name, self.doc, labels=self.labels)
         for key, value in sorted(self.values.items()):
             fam.add_metric(list(key), value)
@@ -396,6 +378,8 @@ class _Times:
         self.series.setdefault(key, [0.0] * (len(self.bounds) + 2))
 
     def family(self) -> Metric:
+        from prometheus_client.core import HistogramMetricFamily
+
         fam = HistogramMetricFamily(self.name, self.doc, labels=self.labels)
         for key, counts in sorted(self.series.items()):
             total, buckets = 0.0, []
@@ -406,14 +390,46 @@ class _Times:
         return fam
 
 
+class _Levels:
+    """A gauge's series by label values, as plain numbers."""
+
+    def __init__(self, name: str, doc: str, labels: Sequence[str]) -> None:
+        self.name, self.doc, self.labels = name, doc, list(labels)
+        self.values: dict[tuple[str, ...], float] = {}
+
+    def set(self, key: tuple[str, ...], value: float) -> None:
+        self.values[key] = value
+
+    def clear(self) -> None:
+        """Every series gone (those still there are set again before a scrape)."""
+        self.values.clear()
+
+    def family(self) -> Metric:
+        from prometheus_client.core import GaugeMetricFamily
+
+        fam = GaugeMetricFamily(self.name, self.doc, labels=self.labels)
+        for key, value in sorted(self.values.items()):
+            fam.add_metric(list(key), value)
+        return fam
+
+
 class _Hot:
-    """The collector of the `_Counts` and `_Times` series."""
+    """The collector of the `_Counts`, `_Times` and `_Levels` series; one
+    without labels is there from the start, at 0 (as prometheus_client's is)."""
 
     def __init__(self) -> None:
-        self._all: list[_Counts | _Times] = []
+        self._all: list[_Counts | _Times | _Levels] = []
 
-    def counts(self, name: str, doc: str, labels: Sequence[str]) -> _Counts:
+    def counts(self, name: str, doc: str, labels: Sequence[str] = ()) -> _Counts:
         self._all.append(series := _Counts(name, doc, labels))
+        if not labels:
+            series.touch(())
+        return series
+
+    def levels(self, name: str, doc: str, labels: Sequence[str] = ()) -> _Levels:
+        self._all.append(series := _Levels(name, doc, labels))
+        if not labels:
+            series.set((), 0.0)
         return series
 
     def times(self, name: str, doc: str, labels: Sequence[str],
