@@ -8,13 +8,22 @@ only when they are asked for.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
-
-from cni_agent.cli.commands import main as commands
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return commands(argv, run_daemon=run_daemon, run_config=run_config,
+    words = list(sys.argv[1:] if argv is None else argv)
+    if words[:1] == ["run"]:
+        # The daemon's start (systemd's ExecStart, every test's agent): its two
+        # options, without the CLI's modules and parser.
+        from cni_agent.cli.runargs import run_parser
+
+        args = run_parser().parse_args(words[1:])
+        return run_daemon(args.config, getattr(args, "bus", None))
+    from cni_agent.cli.commands import main as commands
+
+    return commands(words, run_daemon=run_daemon, run_config=run_config,
                     read_capabilities=read_capabilities, read_state_dir=read_state_dir)
 
 

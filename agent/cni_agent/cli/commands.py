@@ -82,6 +82,7 @@ from cni_agent.cli.output import (
     format_pod_cidrs,
     format_status,
 )
+from cni_agent.cli.runargs import RUN_DESCRIPTION, RUN_HELP, add_run_arguments
 from cni_agent.cni.args import PodMeta, validate_network_name
 from cni_agent.cni.config import SHIM_VERSIONS
 from cni_agent.cni.errors import InvalidArgument
@@ -400,14 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"cni-agent {__version__}")
     parser.add_argument("--bus", metavar="BUS", type=_bus, help=BUS_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
-    run = sub.add_parser("run", help="run the daemon in the foreground (systemd runs this)",
-                         description="Run the agent in the foreground until SIGTERM.")
-    run.add_argument("--config", metavar="PATH",
-                     help="read PATH and PATH.d/*.yaml instead of the layers (default: "
-                          "/usr/lib/cni-agent/agent.yaml, /etc/cni-agent/agent.yaml, then "
-                          "the drop-ins of both agent.yaml.d/)")
-    run.add_argument("--bus", metavar="BUS", default=argparse.SUPPRESS,
-                     help="system (default), session, or a D-Bus address")
+    add_run_arguments(sub.add_parser("run", help=RUN_HELP, description=RUN_DESCRIPTION))
 
     p = _command(sub, "status", "show network readiness and the agent's networks", """
         Show whether the network is ready (NetworkReady), the agent's one-line Status, the
