@@ -299,6 +299,45 @@ def test_a_repair_killed_mid_add_is_kept_lost_not_dropped_and_repaired_after_the
     assert allocations(tmp_path / "ipam", "pods") == []
 
 
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["killed", "shut_down"])
+def test_a_repair_stopped_mid_del_is_kept_lost_not_dropped_and_repaired_after_the_restart(
+    make_agent: Callable[..., Agent], tmp_path: Path, control: Control, bridge_name: str,
+    netns: str, how: signal.Signals,
+) -> None:
+    """The agent killed, or shut down, while a repair's DEL runs (the DEL every
+    repair and every retry of a lost attachment starts with): the restart
+    finishes that DEL and keeps the attachment lost (retried); the sandbox never
+    leaves the record (it once did: recovery took the repair's DEL for a
+    removal and dropped the sandbox with it, as a CI run saw once)."""
+    pods(tmp_path, control, bridge_name, bridge_ips=True)
+    agent = start(make_agent, tmp_path)
+    agent.setup("web", netns)
+    [ip] = addresses(netns)
+    wait_for(lambda: state(agent, "web") == "ok", timeout=5)
+    control.set("DEL", "hang", only=["testplug"])  # the repair's DEL never ends
+    control.set("CHECK", "fail", code=100, msg="rule gone", once=True, only=["testplug"])
+    wait_for(lambda: [r["command"] for r in control.records()
+                      if r.get("type") == "testplug"].count("DEL") == 1, timeout=10)
+    agent.stop(how)
+    control.clear("DEL")
+    control.set("ADD", "fail", code=11, msg="no room right now", only=["testplug"])
+    agent.start()
+    assert agent.call("WaitReady", "d", "10")[0] is True
+    # (Its retry is due at once: while that ADD runs, the sandbox is not listed.)
+    wait_for(lambda: agent.call("ListSandboxes")[0] == ["web"], timeout=10)
+    check = wait_for(lambda: (c := checked(agent, "web")).get("state") == "lost" and c,
+                     timeout=10)
+    assert check["attempts"] >= 1 and check["next_try"], check
+    assert "the repair of pods/eth0 was interrupted" in agent.log()
+    assert not link_exists("eth0", netns)  # its DEL was finished
+    control.clear("ADD")  # the cause goes away: the retry ADDs it again
+    wait_for(lambda: state(agent, "web") == "ok", timeout=30)
+    assert addresses(netns) == [ip]
+    assert allocations(tmp_path / "ipam", "pods") == [ip.split("/")[0]]
+    agent.call("Teardown", "ssa{sv}", "web", netns, "0")
+    assert allocations(tmp_path / "ipam", "pods") == []
+
+
 def test_a_repair_killed_mid_add_whose_namespace_went_meanwhile_is_reaped_and_released(
     make_agent: Callable[..., Agent], tmp_path: Path, control: Control, bridge_name: str,
     netns: str,

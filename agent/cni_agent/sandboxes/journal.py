@@ -423,9 +423,22 @@ class Journal:
         CacheError when the disk does not take the DEL's record: the attachment
         reads "deleting" and the next reaping pass finishes its removal."""
         net = self._config_for(att, entry)
-        index = rec.attachments.index(att)
+        # What it is if this repair never finishes (the agent stopped during its
+        # DEL or its ADD): lost, as after a failed ADD; a restart's recovery
+        # makes it so (`interrupted_repairs`), never a removal that drops it.
+        interrupted = lost(CNIError("its repair was under way when the agent stopped"))
+        marked = replace(att, repairing=interrupted.lost)
+        rec = rec.with_attachments(marked if a.ifname == att.ifname else a
+                                   for a in rec.attachments)
+        self.store.write(rec)  # (the DEL's "deleting" mark follows: a short line)
+        # The record keeps the caller's capabilities (a runtime's repeat ADD is
+        # compared with them); only this ADD asks for the same IPs and MAC.
+        new = replace(marked, phase=Phase.ADDING, check=None, lost=None, result=None)
+        # The DEL's own last write puts the ADD's intent in the attachment's
+        # place: no record without it in between.
         removal = await self.remove(rec, [att.ifname], ns,
-                                    {(att.network, att.ifname): entry} if entry else {})
+                                    {(att.network, att.ifname): entry} if entry else {},
+                                    replacing={att.ifname: new})
         if removal.unrecorded:
             raise CacheError(f"DEL before the new ADD: {removal.unrecorded}")
         if removal.errors:  # still in the record, "deleting": lost instead, retried
@@ -436,17 +449,8 @@ class Journal:
                                          for a in base.attachments)
             self.store.write(kept)
             return kept, failed
-        left = removal.left
-        others = list(left.attachments) if left else []
-        # The record keeps the caller's capabilities (a runtime's repeat ADD is
-        # compared with them); only this ADD asks for the same IPs and MAC.
-        # What it is if this ADD never finishes (the agent killed meanwhile):
-        # lost, as after a failed ADD; a restart's recovery makes it so.
-        interrupted = lost(CNIError("its repair's ADD was under way when the agent stopped"))
-        new = replace(att, phase=Phase.ADDING, check=None, lost=None, result=None,
-                      repairing=interrupted.lost)
-        begun = (left or rec).with_attachments([*others[:index], new, *others[index:]])
-        self.store.write(begun)
+        assert removal.left is not None  # `new` is in it
+        begun = removal.left
         await self.store.commit()  # the intent, durable before the ADD
         try:
             done, result = await self.add(begun, new, net, ns, ready=[att.ifname],
@@ -475,12 +479,13 @@ class Journal:
                         rec.sandbox_id, what, att.network, att.ifname, e)
 
     async def interrupted_repairs(self, rec: SandboxRecord, ns: Pinned | None) -> SandboxRecord:
-        """Recovery of repairs whose re-ADD a stop interrupted (their intent,
-        "adding" with `repairing`): each ADD rolled back, and the attachment
+        """Recovery of repairs a stop interrupted (an attachment "deleting" or
+        "adding" with `repairing`: during the repair's DEL or its re-ADD): each
+        DELeted (that ADD rolled back, or that DEL finished), and the attachment
         kept lost, as a failed ADD leaves it: retried with backoff, never
         dropped with the sandbox. The record as written (`rec` when it has none)."""
         pending = {a.ifname: a.repairing for a in rec.attachments
-                   if a.phase is Phase.ADDING and a.repairing is not None}
+                   if a.phase is not Phase.READY and a.repairing is not None}
         if not pending:
             return rec
         for att in rec.attachments:
@@ -541,13 +546,16 @@ class Journal:
     async def remove(
         self, rec: SandboxRecord, ifnames: Collection[str] | None, ns: Pinned | None,
         entries: Entries | None = None, *, unstarted: Collection[str] = (),
+        replacing: Mapping[str, Attachment] | None = None,
     ) -> Removal:
         """DEL the attachments `ifnames` (all when None), last added first, in
         the pinned namespace (None: with an empty netns).
 
         Ready ones are marked "deleting" first. `unstarted` attachments never
         ran a plugin: they leave the record without a DEL. An attachment whose
-        DEL failed stays, to be retried. A disk that does not take the mark
+        DEL failed stays, to be retried. One `replacing` names takes that
+        attachment's place in the record once its DEL succeeded (a repair's
+        re-ADD intent), in the same write. A disk that does not take the mark
         (full, read-only) does not stop the DELs: DEL is idempotent, and a
         network is worth more than its bookkeeping; what was not recorded is
         reported (`Removal.unrecorded`) and shown "deleting" until it is.
@@ -584,7 +592,9 @@ class Journal:
                 errors.append(f"{att.network}/{att.ifname}: {e}")
             else:
                 gone.add(att.ifname)
-        left = [a for a in rec.attachments if a.ifname not in gone]
+        swap = replacing or {}
+        left = [swap[a.ifname] if a.ifname in swap else a for a in rec.attachments
+                if a.ifname not in gone or a.ifname in swap]
         kept = rec.with_attachments(left) if left else None
         written = True
         try:
