@@ -37,15 +37,18 @@ GRANT = "18620-18639"
 
 @pytest.fixture
 def portmap_chain(tmp_path: Path, control: Control) -> Iterator[str]:
-    """The network "pods": bridge + host-local, portmap (iptables), the recording plugin."""
+    """The network "portnet": bridge + host-local, portmap (iptables), the
+    recording plugin. Not "pods": portmap names a sandbox's DNAT chain after
+    its network and id, and test_drift's "pods"/"web" may run beside this file
+    (one's DEL removed the other's chain: a CI run saw root's DNAT vanish)."""
     br = unique_name("cap")
-    write_conf(tmp_path / "net.d", "10-pods.conflist", conflist("pods", [
+    write_conf(tmp_path / "net.d", "10-portnet.conflist", conflist("portnet", [
         {"type": "bridge", "bridge": br, "isGateway": True, "ipMasq": False,
          "ipam": {"type": "host-local", "subnet": "10.231.0.0/24",
                   "dataDir": str(tmp_path / "ipam")}},
         {"type": "portmap", "capabilities": {"portMappings": True}, "snat": False},
         plug(control)], "1.0.0"))
-    yield "pods"
+    yield "portnet"
     delete_link(br)
 
 
@@ -79,7 +82,7 @@ def address(doc: dict[str, Any]) -> str:
 
 
 def member_agent(make_agent: Callable[..., Agent], bus: Bus, member: str, **access: Any) -> Agent:
-    return make_agent(bus=bus, access={"groups": [member], "networks": ["pods"],
+    return make_agent(bus=bus, access={"groups": [member], "networks": ["portnet"],
                                        "capabilities": ["portMappings"], **access})
 
 
@@ -101,7 +104,7 @@ def test_a_members_protocol_number_never_takes_a_port_root_maps(
             assert "invalid argument: capabilities: host port 18621/tcp is already mapped by " \
                    "another sandbox" in out.stderr and "web" not in out.stderr, out
         assert dnat(18621) == [("web", f"{address(web)}:80")]
-        assert allocations(tmp_path / "ipam", "pods") == [address(web)]
+        assert allocations(tmp_path / "ipam", "portnet") == [address(web)]
         # An unknown protocol is no protocol: refused before anything is compared.
         out = cli(agent, member, "setup", "vm1", path, "--capabilities",
                   json.dumps(ports(18622, "icmp")))
@@ -140,11 +143,11 @@ def test_root_never_takes_a_port_another_sandbox_maps_whichever_way_it_comes(
             assert ERR + "InvalidArgument" in out.stderr, out.stderr
             assert f"is already mapped by sandbox {vm1}" in out.stderr, out.stderr
         # Root's Attach over D-Bus, and a runtime's ADD through the shim: the same.
-        out = agent.gdbus("Attach", "web", netns_factory(), "pods", "eth0",
+        out = agent.gdbus("Attach", "web", netns_factory(), "portnet", "eth0",
                           f"{{'capabilities': <{json.dumps(json.dumps(ports(18623)))}>}}")
         assert ERR + "InvalidArgument" in out.stderr and vm1 in out.stderr, out.stderr
         shim = run_shim(agent.bus.address, "ADD",
-                        shim_conf("k8s-pods", "pods", "1.0.0", runtimeConfig=ports(18623)),
+                        shim_conf("k8s-portnet", "portnet", "1.0.0", runtimeConfig=ports(18623)),
                         cid="ctr1", netns=netns_factory())
         assert shim.rc != 0 and shim.code == 7, shim
         assert f"host port 18623/tcp is already mapped by sandbox {vm1}" in shim.out["msg"], shim
@@ -181,9 +184,9 @@ def test_a_member_maps_only_host_ports_inside_access_host_ports(
             assert f"access denied: host port {port}/tcp is not in a range open to callers " \
                    f"that are not root (access.host_ports: {GRANT}, 18650)" in out.stderr, out
             assert dnat(port) == []
-        assert allocations(tmp_path / "ipam", "pods") == []
+        assert allocations(tmp_path / "ipam", "portnet") == []
         for port, sid in ((18639, "vm1"), (18650, "vm2")):
-            out = cli(agent, member, "setup", sid, path, "--network", f"pods:e{sid}",
+            out = cli(agent, member, "setup", sid, path, "--network", f"portnet:e{sid}",
                       "--capabilities", json.dumps(ports(port)))
             assert out.returncode == 0, out
             assert len(dnat(port)) == 1
@@ -191,7 +194,7 @@ def test_a_member_maps_only_host_ports_inside_access_host_ports(
         del agent.config["access"]["host_ports"]
         agent.write_config()
         agent.call("Reload")
-        out = cli(agent, member, "setup", "vm3", path, "--network", "pods:evm3",
+        out = cli(agent, member, "setup", "vm3", path, "--network", "portnet:evm3",
                   "--capabilities", json.dumps(ports(18630)))
         assert out.returncode == 4 and "(access.host_ports: none)" in out.stderr, out
         assert dnat(18630) == []

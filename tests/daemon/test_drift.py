@@ -105,11 +105,13 @@ def metric(agent: Agent, name: str, **labels: str) -> float:
     return samples(agent.tmp / "http.sock").get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-def dnat_chains(sid: str) -> list[str]:
-    """portmap's per-container DNAT chains (their jump carries the sandbox id)."""
+def dnat_chains(sid: str, network: str = "pods") -> list[str]:
+    """portmap's per-container DNAT chains of this network's sandbox `sid` (the
+    jump's comment names both: other files' sandboxes may share the id)."""
     nat = subprocess.run(["iptables-save", "-t", "nat"], capture_output=True, text=True,
                          check=True).stdout
-    return sorted({m for line in nat.splitlines() if sid in line
+    tag = f'name: \\"{network}\\" id: \\"{sid}\\"'
+    return sorted({m for line in nat.splitlines() if tag in line
                    for m in re.findall(r"CNI-DN-[0-9a-f]+", line)})
 
 
