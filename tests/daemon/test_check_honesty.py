@@ -264,6 +264,40 @@ def test_a_failed_repair_is_kept_lost_and_retried_until_it_succeeds_across_a_res
     assert allocations(tmp_path / "ipam", "pods") == []
 
 
+def stop_mid_repair(agent: Agent, control: Control, verb: str, runs: int,
+                    how: signal.Signals) -> None:
+    """Make a drift repair whose `verb` (its DEL, or its re-ADD) never ends, and
+    stop the agent with `how` while it runs (the plugin has run `verb` `runs` times)."""
+    control.set(verb, "hang", only=["testplug"])
+    control.set("CHECK", "fail", code=100, msg="rule gone", once=True, only=["testplug"])
+    wait_for(lambda: [r["command"] for r in control.records()
+                      if r.get("type") == "testplug"].count(verb) == runs, timeout=10)
+    agent.stop(how)
+
+
+def restarted_with_it_lost(agent: Agent) -> None:
+    """The restart keeps the sandbox, its attachment lost (retried), and says so."""
+    agent.start()
+    assert agent.call("WaitReady", "d", "10")[0] is True
+    # (Its retry is due at once: while that ADD runs, the sandbox is not listed.)
+    wait_for(lambda: agent.call("ListSandboxes")[0] == ["web"], timeout=10)
+    check = wait_for(lambda: (c := checked(agent, "web")).get("state") == "lost" and c,
+                     timeout=10)
+    assert check["attempts"] >= 1 and check["next_try"], check
+    assert "the repair of pods/eth0 was interrupted" in agent.log()
+
+
+def repaired_once_the_cause_goes(agent: Agent, control: Control, tmp_path: Path, netns: str,
+                                 ip: str) -> None:
+    """The retry ADDs it again, with its address; a Teardown releases it."""
+    control.clear("ADD")
+    wait_for(lambda: state(agent, "web") == "ok", timeout=30)
+    assert addresses(netns) == [ip]
+    assert allocations(tmp_path / "ipam", "pods") == [ip.split("/")[0]]
+    agent.call("Teardown", "ssa{sv}", "web", netns, "0")
+    assert allocations(tmp_path / "ipam", "pods") == []
+
+
 def test_a_repair_killed_mid_add_is_kept_lost_not_dropped_and_repaired_after_the_restart(
     make_agent: Callable[..., Agent], tmp_path: Path, control: Control, bridge_name: str,
     netns: str,
@@ -277,26 +311,10 @@ def test_a_repair_killed_mid_add_is_kept_lost_not_dropped_and_repaired_after_the
     agent.setup("web", netns)
     [ip] = addresses(netns)
     wait_for(lambda: state(agent, "web") == "ok", timeout=5)
-    control.set("ADD", "hang", only=["testplug"])  # the repair's re-ADD never ends
-    control.set("CHECK", "fail", code=100, msg="rule gone", once=True, only=["testplug"])
-    wait_for(lambda: [r["command"] for r in control.records()
-                      if r.get("type") == "testplug"].count("ADD") == 2, timeout=10)
-    agent.stop(signal.SIGKILL)
+    stop_mid_repair(agent, control, "ADD", 2, signal.SIGKILL)  # the Setup's, the repair's
     control.set("ADD", "fail", code=11, msg="no room right now", only=["testplug"])
-    agent.start()
-    assert agent.call("WaitReady", "d", "10")[0] is True
-    # (Its retry is due at once: while that ADD runs, the sandbox is not listed.)
-    wait_for(lambda: agent.call("ListSandboxes")[0] == ["web"], timeout=10)
-    check = wait_for(lambda: (c := checked(agent, "web")).get("state") == "lost" and c,
-                     timeout=10)
-    assert check["attempts"] >= 1 and check["next_try"], check
-    assert "the repair of pods/eth0 was interrupted" in agent.log()
-    control.clear("ADD")  # the cause goes away: the retry ADDs it again
-    wait_for(lambda: state(agent, "web") == "ok", timeout=30)
-    assert addresses(netns) == [ip]
-    assert allocations(tmp_path / "ipam", "pods") == [ip.split("/")[0]]
-    agent.call("Teardown", "ssa{sv}", "web", netns, "0")
-    assert allocations(tmp_path / "ipam", "pods") == []
+    restarted_with_it_lost(agent)
+    repaired_once_the_cause_goes(agent, control, tmp_path, netns, ip)
 
 
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM], ids=["killed", "shut_down"])
@@ -314,28 +332,12 @@ def test_a_repair_stopped_mid_del_is_kept_lost_not_dropped_and_repaired_after_th
     agent.setup("web", netns)
     [ip] = addresses(netns)
     wait_for(lambda: state(agent, "web") == "ok", timeout=5)
-    control.set("DEL", "hang", only=["testplug"])  # the repair's DEL never ends
-    control.set("CHECK", "fail", code=100, msg="rule gone", once=True, only=["testplug"])
-    wait_for(lambda: [r["command"] for r in control.records()
-                      if r.get("type") == "testplug"].count("DEL") == 1, timeout=10)
-    agent.stop(how)
+    stop_mid_repair(agent, control, "DEL", 1, how)
     control.clear("DEL")
     control.set("ADD", "fail", code=11, msg="no room right now", only=["testplug"])
-    agent.start()
-    assert agent.call("WaitReady", "d", "10")[0] is True
-    # (Its retry is due at once: while that ADD runs, the sandbox is not listed.)
-    wait_for(lambda: agent.call("ListSandboxes")[0] == ["web"], timeout=10)
-    check = wait_for(lambda: (c := checked(agent, "web")).get("state") == "lost" and c,
-                     timeout=10)
-    assert check["attempts"] >= 1 and check["next_try"], check
-    assert "the repair of pods/eth0 was interrupted" in agent.log()
+    restarted_with_it_lost(agent)
     assert not link_exists("eth0", netns)  # its DEL was finished
-    control.clear("ADD")  # the cause goes away: the retry ADDs it again
-    wait_for(lambda: state(agent, "web") == "ok", timeout=30)
-    assert addresses(netns) == [ip]
-    assert allocations(tmp_path / "ipam", "pods") == [ip.split("/")[0]]
-    agent.call("Teardown", "ssa{sv}", "web", netns, "0")
-    assert allocations(tmp_path / "ipam", "pods") == []
+    repaired_once_the_cause_goes(agent, control, tmp_path, netns, ip)
 
 
 def test_a_repair_killed_mid_add_whose_namespace_went_meanwhile_is_reaped_and_released(
@@ -348,11 +350,7 @@ def test_a_repair_killed_mid_add_whose_namespace_went_meanwhile_is_reaped_and_re
     agent = start(make_agent, tmp_path)
     agent.setup("web", netns)
     wait_for(lambda: state(agent, "web") == "ok", timeout=5)
-    control.set("ADD", "hang", only=["testplug"])
-    control.set("CHECK", "fail", code=100, msg="rule gone", once=True, only=["testplug"])
-    wait_for(lambda: [r["command"] for r in control.records()
-                      if r.get("type") == "testplug"].count("ADD") == 2, timeout=10)
-    agent.stop(signal.SIGKILL)
+    stop_mid_repair(agent, control, "ADD", 2, signal.SIGKILL)
     subprocess.run(["ip", "netns", "delete", Path(netns).name], check=True)
     control.clear("ADD")
     agent.start()

@@ -319,7 +319,7 @@ class Checks:
                 caps, _ = self._keep(att, was.ips, was.mac)
                 rec, result = await self.journal.recreate(rec, att, None, ns, caps, still_lost)
             except CacheError:
-                raise  # the disk: the attachment reads "deleting", reaping finishes it
+                raise  # the disk: see Journal.recreate (nothing done, or reaping finishes it)
             except CNIError as e:  # no usable config: nothing changed; the same backoff
                 rec = rec.with_attachments(still_lost(e) if a.ifname == att.ifname else a
                                            for a in rec.attachments)

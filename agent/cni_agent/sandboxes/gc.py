@@ -311,7 +311,7 @@ class Reaper:
     async def _reap_locked(self, sid: str, rec: SandboxRecord | None,
                            entries: dict[tuple[str, str], CachedAttachment], netns: Pinned | None,
                            valid_ids: Collection[str] | None, report: GCReport) -> None:
-        if rec is not None:  # a repair's unfinished ADD: kept lost, not dropped
+        if rec is not None:  # a repair's unfinished DEL or ADD: kept lost, not dropped
             rec = await self.journal.interrupted_repairs(rec, netns)
         unfinished = [a.ifname for a in rec.attachments if a.phase is not Phase.READY] if rec else []
         if rec is not None and unfinished:

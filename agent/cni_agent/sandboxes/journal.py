@@ -420,17 +420,19 @@ class Journal:
         leaves nothing a restart does not finish or undo. When the DEL fails,
         or the ADD does (rolled back: DEL), the attachment stays in the record
         as `lost(error)`: ready, with no cache entry, to be retried (DEL first).
-        CacheError when the disk does not take the DEL's record: the attachment
-        reads "deleting" and the next reaping pass finishes its removal."""
+        CacheError when the disk does not take a record: its first (nothing
+        done), or the one after the DEL (the attachment reads "deleting", and
+        the next reaping pass finishes the DEL and keeps it lost)."""
         net = self._config_for(att, entry)
         # What it is if this repair never finishes (the agent stopped during its
         # DEL or its ADD): lost, as after a failed ADD; a restart's recovery
         # makes it so (`interrupted_repairs`), never a removal that drops it.
+        # Written "deleting" with it (the short "deleting" mark would not carry it).
         interrupted = lost(CNIError("its repair was under way when the agent stopped"))
-        marked = replace(att, repairing=interrupted.lost)
+        marked = replace(att, phase=Phase.DELETING, repairing=interrupted.lost)
         rec = rec.with_attachments(marked if a.ifname == att.ifname else a
                                    for a in rec.attachments)
-        self.store.write(rec)  # (the DEL's "deleting" mark follows: a short line)
+        self.store.write(rec)
         # The record keeps the caller's capabilities (a runtime's repeat ADD is
         # compared with them); only this ADD asks for the same IPs and MAC.
         new = replace(marked, phase=Phase.ADDING, check=None, lost=None, result=None)
@@ -592,8 +594,8 @@ class Journal:
                 errors.append(f"{att.network}/{att.ifname}: {e}")
             else:
                 gone.add(att.ifname)
-        swap = replacing or {}
-        left = [swap[a.ifname] if a.ifname in swap else a for a in rec.attachments
+        swap = {i: a for i, a in (replacing or {}).items() if i in gone}
+        left = [swap.get(a.ifname, a) for a in rec.attachments
                 if a.ifname not in gone or a.ifname in swap]
         kept = rec.with_attachments(left) if left else None
         written = True

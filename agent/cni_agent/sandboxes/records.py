@@ -173,10 +173,11 @@ class Attachment:
     check: CheckState | None = None
     # Set while it is lost (its repair's re-ADD failed): an optional key too.
     lost: Lost | None = None
-    # In a repair's intent (its re-ADD under way): what it is if that ADD never
-    # finishes. A restart finding the intent rolls the ADD back and keeps the
-    # attachment lost with this, as a failed ADD would; cleared by the ADD's
-    # success. Older agents ignore the key (they roll the intent back).
+    # While a repair runs (its DEL, then its re-ADD): what it is if the repair
+    # never finishes. A restart finding it finishes the DEL or rolls the ADD
+    # back and keeps the attachment lost with this, as a failed ADD would;
+    # cleared by the ADD's success. Older agents ignore the key (they finish
+    # the removal, or roll the intent back).
     repairing: Lost | None = field(default=None, compare=False)
     # The ADD chain's result, as the libcni cache entry holds it (the journal
     # is its source of truth: the cache is rewritten from it). None: no result

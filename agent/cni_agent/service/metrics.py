@@ -106,11 +106,8 @@ class Metrics:
             ("how",))
         self.lock_wait = hot.times(
             "cni_agent_lock_wait_seconds", "Time waited for a sandbox lock", (), _LOCK_BUCKETS)
-        self.lock_wait.touch(())
         self.busy = hot.counts("cni_agent_busy_refusals",
-                               "Requests refused Busy (a sandbox or network lock not free in time)",
-                               ())
-        self.busy.touch(())
+                               "Requests refused Busy (a sandbox or network lock not free in time)")
         self.sandboxes = hot.levels("cni_agent_sandboxes", "Sandboxes with attachments")
         self.shim_calls = hot.counts(
             "cni_agent_shim_calls", "CNI calls forwarded by cni-agent-shim, by command and result "
@@ -154,8 +151,7 @@ class Metrics:
         self.state_errors = hot.counts(
             "cni_agent_state_errors",
             "Calls answered StateError (the agent's own disk refused: full, read-only, "
-            "unreadable), on D-Bus and through cni-agent-shim (code 11 there)", ())
-        self.state_errors.touch(())
+            "unreadable), on D-Bus and through cni-agent-shim (code 11 there)")
         # One series per reason, always there: 1 for the current one, 0 for the
         # others (all 0 when ready), as a state set is exported: `== 1` selects
         # it, and the others are at 0 for an alert's changes() or absent().
@@ -435,6 +431,8 @@ class _Hot:
     def times(self, name: str, doc: str, labels: Sequence[str],
               buckets: Sequence[float]) -> _Times:
         self._all.append(series := _Times(name, doc, labels, buckets))
+        if not labels:
+            series.touch(())
         return series
 
     def collect(self) -> Iterator[Metric]:
