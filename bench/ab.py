@@ -72,7 +72,7 @@ def main() -> int:
         for way, env in envs.items():
             lab = labs[way] = Lab(f"ab{way}")
             wrapper = [args.new_wrapper] if way == "new" and args.new_wrapper else []
-            units[way], pids[way] = _setup(lab, way, env, args.pattern, runner, wrapper)
+            units[way], pids[way] = setup_unit(lab, way, env, args.pattern, runner, wrapper)
         per = 3 if args.pattern == "crio" else 1
         cpu: dict[str, list[float]] = {w: [] for w in envs}
         wall: dict[str, list[float]] = {w: [] for w in envs}
@@ -106,8 +106,8 @@ def main() -> int:
     return 0
 
 
-def _setup(lab: Lab, way: str, env: dict[str, str] | None, pattern: str,
-           runner: asyncio.Runner, wrapper: list[str]) -> tuple[Callable[[int], float], int]:
+def setup_unit(lab: Lab, way: str, env: dict[str, str] | None, pattern: str,
+               runner: asyncio.Runner, wrapper: list[str]) -> tuple[Callable[[int], float], int]:
     if pattern == "pair":
         lab.noop()
         write_conf(lab.conf_dir, "10-noop.conflist",

@@ -1,0 +1,101 @@
+"""`python bench/sectionprobe.py OUT -m MODULE ARGS…`: MODULE as __main__, with the
+functions CNI_AGENT_SECTIONS names wrapped to add up the CPU time of the main
+thread (time.thread_time) spent inside each, and count their calls.
+
+CNI_AGENT_SECTIONS: comma-separated `module:Class.method` or `module:function`
+(a function is replaced in that module's namespace: name the module that calls
+it). A coroutine's time is counted from its call to its return, awaits
+included: whatever the loop ran meanwhile counts too (in a sequential benchmark,
+timers and background work). SIGUSR1 starts a window (dropping what came
+before), SIGUSR2 writes OUT (JSON: per section, ns and calls; the main
+thread's and the process's CPU over the window). bench/sections.py runs it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import json
+import os
+import runpy
+import signal
+import sys
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+_clock = time.thread_time_ns
+
+
+def _wrap(func: Callable[..., Any], key: str, spent: dict[str, list[int]]) -> Callable[..., Any]:
+    tally = spent.setdefault(key, [0, 0])
+    if inspect.iscoroutinefunction(func):
+        @functools.wraps(func)
+        async def timed_async(*args: Any, **kwargs: Any) -> Any:
+            t0 = _clock()
+            try:
+                return await func(*args, **kwargs)
+            finally:
+                tally[0] += _clock() - t0
+                tally[1] += 1
+        return timed_async
+
+    @functools.wraps(func)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = _clock()
+        try:
+            return func(*args, **kwargs)
+        finally:
+            tally[0] += _clock() - t0
+            tally[1] += 1
+    return timed
+
+
+def install(specs: str, spent: dict[str, list[int]]) -> None:
+    for spec in filter(None, (s.strip() for s in specs.split(","))):
+        module_name, _, name = spec.partition(":")
+        owner: Any = importlib.import_module(module_name)
+        *path, attr = name.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        raw = inspect.getattr_static(owner, attr)
+        if isinstance(raw, (staticmethod, classmethod)):
+            raise SystemExit(f"{spec}: a static or class method cannot be wrapped here")
+        setattr(owner, attr, _wrap(getattr(owner, attr), name, spent))
+
+
+def main() -> None:
+    out, flag, module = sys.argv[1:4]
+    if flag != "-m":
+        raise SystemExit(__doc__)
+    sys.argv = [module, *sys.argv[4:]]
+    sys.path.pop(0)  # bench/, where this script is: not the module's
+    spent: dict[str, list[int]] = {}
+    install(os.environ.get("CNI_AGENT_SECTIONS", ""), spent)
+    start = [_clock(), sum(os.times()[:2])]
+
+    def begin(signum: int, frame: FrameType | None) -> None:
+        for tally in spent.values():
+            tally[:] = [0, 0]
+        start[:] = [_clock(), sum(os.times()[:2])]
+
+    def dump(signum: int, frame: FrameType | None) -> None:
+        doc = {"main_thread_ns": _clock() - start[0],
+               "process_ns": int((sum(os.times()[:2]) - start[1]) * 1e9),
+               "sections": spent}
+        with open(out, "w") as f:
+            json.dump(doc, f)
+
+    # Signal handlers run in the main thread: the one the clock follows.
+    signal.signal(signal.SIGUSR1, begin)
+    signal.signal(signal.SIGUSR2, dump)
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit:
+        pass
+
+
+if __name__ == "__main__":
+    main()
