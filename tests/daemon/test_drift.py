@@ -185,6 +185,8 @@ def test_a_flushed_portmap_chain_is_drift_reported_within_the_interval(
     agent.start()
     after = show(agent, "web")["check"]
     assert after["state"] == "drifted" and after["reason"] == check["reason"]
+    agent.call("Teardown", "ssa{sv}", "web", netns, "0")
+    assert dnat_chains("web") == []  # portmap's DEL took its chain and the jump to it
 
 
 @needs_191
@@ -229,6 +231,8 @@ def test_without_the_ips_capability_a_drift_is_reported_not_repaired(
     refused = [x for x in agent.log().splitlines() if "not repaired" in x]
     assert len(refused) == 1 and "ips capability" in refused[0], agent.log()
     assert metric(agent, "cni_agent_repairs_total", result="refused") == 1
+    agent.call("Teardown", "ssa{sv}", "web", netns, "0")
+    assert dnat_chains("web") == []
 
 
 def pod_forward_rules(ip: str) -> list[str]:
@@ -293,6 +297,8 @@ def test_portmap_1_1_1_is_check_unsupported_and_never_repaired(
     assert metric(agent, "cni_agent_checks_total", result="unsupported") >= 3
     assert not any("repaired (DEL" in x or " drifted: " in x for x in agent.log().splitlines())
     assert agent.log().count("ADD of pods") == 2  # bridge and portmap, once
+    agent.call("Teardown", "ssa{sv}", "web", netns, "0")
+    assert dnat_chains("web") == []
 
 
 # --- firewalld triggers a pass --------------------------------------------------------
