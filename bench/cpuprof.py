@@ -16,43 +16,53 @@ import runpy
 import signal
 import sys
 import time
-from types import FrameType
+from collections.abc import Callable
 
 
-def main() -> None:
+def module_argv(usage: str) -> tuple[str, str]:
+    """OUT and MODULE of this script's `OUT -m MODULE ARGS…`; sys.argv becomes the
+    module's, and sys.path loses its first entry (this script's dir: not the
+    module's). bench/sectionprobe.py runs the same way."""
     out, flag, module = sys.argv[1:4]
     if flag != "-m":
-        raise SystemExit(__doc__)
+        raise SystemExit(usage)
     sys.argv = [module, *sys.argv[4:]]
-    sys.path.pop(0)  # bench/, where this script is: not the module's
-    prof = cProfile.Profile(time.thread_time)
-    if os.environ.get("BENCH_CPROFILE_WINDOW") == "1":
-        window(prof, out, module)
-        return
-    try:
-        prof.runcall(runpy.run_module, module, run_name="__main__", alter_sys=True)
-    except SystemExit:
-        pass
-    finally:
-        prof.dump_stats(out)
+    sys.path.pop(0)
+    return out, module
 
 
-def window(prof: cProfile.Profile, out: str, module: str) -> None:
-    # Signal handlers run in the main thread: the one the profiler follows.
-    def start(signum: int, frame: FrameType | None) -> None:
-        prof.clear()
-        prof.enable()
-
-    def stop(signum: int, frame: FrameType | None) -> None:
-        prof.disable()
-        prof.dump_stats(out)
-
-    signal.signal(signal.SIGUSR1, start)
-    signal.signal(signal.SIGUSR2, stop)
+def run_module(module: str, begin: Callable[[], object] | None = None,
+               end: Callable[[], object] | None = None) -> None:
+    """MODULE as __main__ until it exits; SIGUSR1 calls `begin`, SIGUSR2 `end`
+    (a window). Signal handlers run in the main thread: the one measured."""
+    if begin is not None:
+        signal.signal(signal.SIGUSR1, lambda signum, frame: begin())
+    if end is not None:
+        signal.signal(signal.SIGUSR2, lambda signum, frame: end())
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit:
         pass
+
+
+def main() -> None:
+    out, module = module_argv(__doc__ or "")
+    prof = cProfile.Profile(time.thread_time)
+    if os.environ.get("BENCH_CPROFILE_WINDOW") == "1":
+        def start() -> None:  # drops what came before (start-up, a warm-up)
+            prof.clear()
+            prof.enable()
+
+        def stop() -> None:
+            prof.disable()
+            prof.dump_stats(out)
+
+        run_module(module, start, stop)
+        return
+    try:
+        prof.runcall(run_module, module)
+    finally:
+        prof.dump_stats(out)
 
 
 if __name__ == "__main__":

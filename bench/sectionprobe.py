@@ -18,12 +18,10 @@ import importlib
 import inspect
 import json
 import os
-import runpy
-import signal
 import sys
 import time
 from collections.abc import Callable
-from types import FrameType
+from pathlib import Path
 from typing import Any
 
 _clock = time.thread_time_ns
@@ -67,34 +65,29 @@ def install(specs: str, spent: dict[str, list[int]]) -> None:
 
 
 def main() -> None:
-    out, flag, module = sys.argv[1:4]
-    if flag != "-m":
-        raise SystemExit(__doc__)
-    sys.argv = [module, *sys.argv[4:]]
-    sys.path.pop(0)  # bench/, where this script is: not the module's
+    # Run as a script, sys.path[0] is bench/: its parent holds the bench package
+    # (`module_argv` drops the entry before MODULE runs).
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+    from bench.cpuprof import module_argv, run_module
+
+    out, module = module_argv(__doc__ or "")
     spent: dict[str, list[int]] = {}
     install(os.environ.get("CNI_AGENT_SECTIONS", ""), spent)
     start = [_clock(), sum(os.times()[:2])]
 
-    def begin(signum: int, frame: FrameType | None) -> None:
+    def begin() -> None:
         for tally in spent.values():
             tally[:] = [0, 0]
         start[:] = [_clock(), sum(os.times()[:2])]
 
-    def dump(signum: int, frame: FrameType | None) -> None:
+    def dump() -> None:
         doc = {"main_thread_ns": _clock() - start[0],
                "process_ns": int((sum(os.times()[:2]) - start[1]) * 1e9),
                "sections": spent}
         with open(out, "w") as f:
             json.dump(doc, f)
 
-    # Signal handlers run in the main thread: the one the clock follows.
-    signal.signal(signal.SIGUSR1, begin)
-    signal.signal(signal.SIGUSR2, dump)
-    try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-    except SystemExit:
-        pass
+    run_module(module, begin, dump)
 
 
 if __name__ == "__main__":

@@ -100,14 +100,13 @@ def main() -> int:
     with asyncio.Runner() as runner, Lab("sections") as lab:
         unit, pid = setup_unit(lab, "new", {"CNI_AGENT_SECTIONS": ",".join(sections)},
                                args.pattern, runner, [str(HERE / "sectionprobe.py"), str(out)])
-        for i in range(args.warmup):
+        for i in range(args.warmup + args.units):
+            if i == args.warmup:  # the window starts
+                os.kill(pid, signal.SIGUSR1)
+                time.sleep(0.2)
             unit(i)
             if args.pattern == "crio":
-                lab.netns.close()
-        os.kill(pid, signal.SIGUSR1)
-        time.sleep(0.2)
-        for i in range(args.units):
-            unit(args.warmup + i)
+                lab.netns.close()  # each pod's namespace, as bench.ab does
         os.kill(pid, signal.SIGUSR2)
         deadline = time.monotonic() + 10
         while not out.exists() and time.monotonic() < deadline:
