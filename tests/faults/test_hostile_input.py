@@ -29,6 +29,9 @@ SPEC_ID = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.\-]*")
 # no input here names, and the tests running alongside add theirs.
 WATCHED = [Path("/"), Path("/tmp"), Path("/run"), Path("/run/netns"), Path("/var/lib"),
            Path("/etc")]
+# The tests running alongside add users and groups: shadow-utils' lock, temporary and
+# backup files for its databases come and go in /etc (group.lock, gshadow.13296, passwd-).
+USER_DB = re.compile(r"\.pwd\.lock|(passwd|shadow|group|gshadow|subuid|subgid)([-+]|\.lock|\.\d+)?")
 
 # D-Bus strings are UTF-8 without NUL: everything else is fair game.
 dbus_text = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"))
@@ -44,7 +47,8 @@ def snapshot(extra: list[Path]) -> dict[str, list[str]]:
     out = {}
     for d in WATCHED + extra:
         try:
-            out[str(d)] = sorted(os.listdir(d))
+            out[str(d)] = sorted(n for n in os.listdir(d)
+                                 if d != Path("/etc") or not USER_DB.fullmatch(n))
         except FileNotFoundError:
             out[str(d)] = []
     return out
