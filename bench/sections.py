@@ -8,7 +8,9 @@ runs them through the shim, ADD, CHECK, DEL; `pair`: Setup+Teardown over
 dbus-fast of 3 no-op plugins: bench/ab.py's units). Printed per shim call
 (or per pair): each section's CPU, inclusive of what it calls, its calls, and
 its cost per call of it; "outside" is the main thread's CPU outside the
-outermost section (the transport, the loop, timers).
+outermost section (the transport, the loop, timers). The process's CPU is
+split into user space and kernel (os.times: 10 ms ticks, so a window of a
+few hundred units is needed for it to mean something).
 
 The default sections follow one call from the transport to the plugin's
 spawn. A wrapper costs ~1 us per call of it: inner sections of tight loops
@@ -117,7 +119,8 @@ def main() -> int:
     what = "shim call" if args.pattern == "crio" else "Setup+Teardown"
     main_us = doc["main_thread_ns"] / calls / 1e3
     print(f"{args.pattern}: {args.units} units; the agent's CPU per {what}: main thread "
-          f"{main_us:.0f} us, process {doc['process_ns'] / calls / 1e3:.0f} us")
+          f"{main_us:.0f} us, process {doc['process_ns'] / calls / 1e3:.0f} us (user "
+          f"{doc['user_ns'] / calls / 1e3:.0f}, kernel {doc['system_ns'] / calls / 1e3:.0f})")
     spent = {k: v for k, v in doc["sections"].items() if v[1]}
     print(f"{'us/' + ('call' if per == 3 else 'pair'):>9} {'calls':>6} {'us each':>8}  section")
     for key, (ns, n) in sorted(spent.items(), key=lambda kv: -kv[1][0]):
