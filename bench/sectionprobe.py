@@ -9,10 +9,15 @@ included: whatever the loop ran meanwhile counts too (in a sequential benchmark,
 timers and background work). SIGUSR1 starts a window (dropping what came
 before), SIGUSR2 writes OUT (JSON: per section, ns and calls; the main
 thread's and the process's CPU over the window). bench/sections.py runs it.
+
+With CNI_AGENT_COUNT_CALLS=1 the window counts instead every function call of
+the main thread (sys.setprofile: Python functions by code object, C functions
+by name), which slows everything it counts: the CPU figures then mean nothing.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import importlib
 import inspect
@@ -25,6 +30,33 @@ from pathlib import Path
 from typing import Any
 
 _clock = time.thread_time_ns
+
+
+class _CallCounter:
+    """Calls of the main thread by function, while installed: how much code
+    a call runs, which a CPU profile of cold code hides."""
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            code = frame.f_code
+            self.counts[f"py {_short(code.co_filename)}:{code.co_firstlineno} "
+                        f"{code.co_qualname}"] += 1
+        elif event == "c_call":
+            self.counts[f"C {getattr(arg, '__qualname__', repr(arg))}"] += 1
+
+
+def _short(filename: str) -> str:
+    """A source file's name from its package on: the agent's, a library's, the
+    standard library's (contextlib.py)."""
+    for marker in ("/site-packages/", "/agent/"):
+        _, found, tail = filename.rpartition(marker)
+        if found:
+            return tail
+    _, found, tail = filename.rpartition("/lib/python3")
+    return tail.partition("/")[2] if found else filename
 
 
 def _wrap(func: Callable[..., Any], key: str, spent: dict[str, list[int]]) -> Callable[..., Any]:
@@ -74,13 +106,19 @@ def main() -> None:
     spent: dict[str, list[int]] = {}
     install(os.environ.get("CNI_AGENT_SECTIONS", ""), spent)
     start = [_clock(), *os.times()[:2]]
+    counter = _CallCounter() if os.environ.get("CNI_AGENT_COUNT_CALLS") == "1" else None
 
     def begin() -> None:
         for tally in spent.values():
             tally[:] = [0, 0]
         start[:] = [_clock(), *os.times()[:2]]
+        if counter is not None:
+            counter.counts.clear()
+            sys.setprofile(counter)
 
     def dump() -> None:
+        if counter is not None:
+            sys.setprofile(None)
         user, system = os.times()[:2]
         doc = {"main_thread_ns": _clock() - start[0],
                "process_ns": int((user - start[1] + system - start[2]) * 1e9),
@@ -88,7 +126,8 @@ def main() -> None:
                # kernel (its syscalls): which of the two a change can win from.
                "user_ns": int((user - start[1]) * 1e9),
                "system_ns": int((system - start[2]) * 1e9),
-               "sections": spent}
+               "sections": spent,
+               "calls": dict(counter.counts) if counter is not None else None}
         with open(out, "w") as f:
             json.dump(doc, f)
 

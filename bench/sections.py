@@ -12,6 +12,11 @@ outermost section (the transport, the loop, timers). The process's CPU is
 split into user space and kernel (os.times: 10 ms ticks, so a window of a
 few hundred units is needed for it to mean something).
 
+`--count-calls N` counts instead every call of the main thread over the
+window, Python and C functions alike (sys.setprofile; no CPU figures: the
+counting slows what it counts), and prints the calls per unit and the N most
+called: how much code one call runs, which is what a layer removed shows.
+
 The default sections follow one call from the transport to the plugin's
 spawn. A wrapper costs ~1 us per call of it: inner sections of tight loops
 inflate their callers a little. cProfile (bench/cpuprof.py) and py-spy
@@ -95,13 +100,19 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--section", action="append", metavar="SPEC",
                         help="a section instead of the defaults (repeatable)")
+    parser.add_argument("--count-calls", type=int, metavar="N", default=0,
+                        help="count the calls of every function instead of timing "
+                             "(sys.setprofile), and print the N most called")
     args = parser.parse_args()
     sections = args.section or DEFAULTS[args.pattern]
     per = 3 if args.pattern == "crio" else 1
     out = Path(f"/tmp/cni-agent-sections-{os.getpid()}.json")
     with asyncio.Runner() as runner, Lab("sections") as lab:
-        unit, pid = setup_unit(lab, "new", {"CNI_AGENT_SECTIONS": ",".join(sections)},
-                               args.pattern, runner, [str(HERE / "sectionprobe.py"), str(out)])
+        # Counting, no section is wrapped: the wrappers' calls would be counted.
+        env = {"CNI_AGENT_SECTIONS": "" if args.count_calls else ",".join(sections),
+               "CNI_AGENT_COUNT_CALLS": "1" if args.count_calls else ""}
+        unit, pid = setup_unit(lab, "new", env, args.pattern, runner,
+                               [str(HERE / "sectionprobe.py"), str(out)])
         for i in range(args.warmup + args.units):
             if i == args.warmup:  # the window starts
                 os.kill(pid, signal.SIGUSR1)
@@ -117,6 +128,8 @@ def main() -> int:
     out.unlink()
     calls = args.units * per
     what = "shim call" if args.pattern == "crio" else "Setup+Teardown"
+    if args.count_calls:
+        return _print_calls(doc["calls"], calls, what, args.count_calls)
     main_us = doc["main_thread_ns"] / calls / 1e3
     print(f"{args.pattern}: {args.units} units; the agent's CPU per {what}: main thread "
           f"{main_us:.0f} us, process {doc['process_ns'] / calls / 1e3:.0f} us (user "
@@ -128,6 +141,17 @@ def main() -> int:
     top = sections[0].partition(":")[2]
     if top in spent:
         print(f"{main_us - spent[top][0] / calls / 1e3:9.0f} {'':6} {'':8}  outside {top}")
+    return 0
+
+
+
+def _print_calls(counts: dict[str, int], units: int, what: str, top: int) -> int:
+    """The calls per `what`: Python functions, C functions, the `top` most called."""
+    python = sum(n for k, n in counts.items() if k.startswith("py "))
+    print(f"calls per {what} in the agent's main thread: {python / units:.0f} Python "
+          f"functions, {(sum(counts.values()) - python) / units:.0f} C functions")
+    for key, n in sorted(counts.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"{n / units:8.2f}  {key}")
     return 0
 
 
