@@ -8,11 +8,13 @@ it). A coroutine's time is counted from its call to its return, awaits
 included: whatever the loop ran meanwhile counts too (in a sequential benchmark,
 timers and background work). SIGUSR1 starts a window (dropping what came
 before), SIGUSR2 writes OUT (JSON: per section, ns and calls; the main
-thread's and the process's CPU over the window). bench/sections.py runs it.
+thread's, and the process's in user space and in the kernel, over the
+window). bench/sections.py runs it.
 
 With CNI_AGENT_COUNT_CALLS=1 the window counts instead every function call of
 the main thread (sys.setprofile: Python functions by code object, C functions
-by name), which slows everything it counts: the CPU figures then mean nothing.
+by name; a coroutine once per resumption, as the profiler reports it), which
+slows everything it counts: the CPU figures then mean nothing.
 """
 
 from __future__ import annotations
@@ -120,10 +122,9 @@ def main() -> None:
         if counter is not None:
             sys.setprofile(None)
         user, system = os.times()[:2]
+        # The process's CPU in user space (Python, libraries) and in the
+        # kernel (its syscalls): which of the two a change can win from.
         doc = {"main_thread_ns": _clock() - start[0],
-               "process_ns": int((user - start[1] + system - start[2]) * 1e9),
-               # The process's CPU in user space (Python, libraries) and in the
-               # kernel (its syscalls): which of the two a change can win from.
                "user_ns": int((user - start[1]) * 1e9),
                "system_ns": int((system - start[2]) * 1e9),
                "sections": spent,

@@ -13,7 +13,8 @@ split into user space and kernel (os.times: 10 ms ticks, so a window of a
 few hundred units is needed for it to mean something).
 
 `--count-calls N` counts instead every call of the main thread over the
-window, Python and C functions alike (sys.setprofile; no CPU figures: the
+window, Python and C functions alike (sys.setprofile; a coroutine once per
+resumption; no CPU figures: the
 counting slows what it counts), and prints the calls per unit and the N most
 called: how much code one call runs, which is what a layer removed shows.
 
@@ -124,6 +125,9 @@ def main() -> int:
         deadline = time.monotonic() + 10
         while not out.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
+    if not out.exists():
+        raise SystemExit(f"the agent wrote no figures to {out} within 10 s of SIGUSR2 "
+                         "(did it exit? its log was in the lab's directory)")
     doc = json.loads(out.read_text())
     out.unlink()
     calls = args.units * per
@@ -131,9 +135,10 @@ def main() -> int:
     if args.count_calls:
         return _print_calls(doc["calls"], calls, what, args.count_calls)
     main_us = doc["main_thread_ns"] / calls / 1e3
+    user_us, kernel_us = doc["user_ns"] / calls / 1e3, doc["system_ns"] / calls / 1e3
     print(f"{args.pattern}: {args.units} units; the agent's CPU per {what}: main thread "
-          f"{main_us:.0f} us, process {doc['process_ns'] / calls / 1e3:.0f} us (user "
-          f"{doc['user_ns'] / calls / 1e3:.0f}, kernel {doc['system_ns'] / calls / 1e3:.0f})")
+          f"{main_us:.0f} us, process {user_us + kernel_us:.0f} us (user {user_us:.0f}, "
+          f"kernel {kernel_us:.0f})")
     spent = {k: v for k, v in doc["sections"].items() if v[1]}
     print(f"{'us/' + ('call' if per == 3 else 'pair'):>9} {'calls':>6} {'us each':>8}  section")
     for key, (ns, n) in sorted(spent.items(), key=lambda kv: -kv[1][0]):
@@ -142,7 +147,6 @@ def main() -> int:
     if top in spent:
         print(f"{main_us - spent[top][0] / calls / 1e3:9.0f} {'':6} {'':8}  outside {top}")
     return 0
-
 
 
 def _print_calls(counts: dict[str, int], units: int, what: str, top: int) -> int:
