@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
+from tests.support.agent import Agent
+from tests.support.forkserver import ForkServer
 from tests.support.plugins import Control, install_plugin
 
 # `make test` keeps both cores busy (8 workers on 2): a draw may wait its turn
@@ -23,6 +25,14 @@ settings.register_profile("cni-agent", suppress_health_check=[HealthCheck.too_sl
 settings.load_profile("cni-agent")
 
 _counter = itertools.count()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The agents this process starts are forked from one that imported the
+    # agent once (tests/support/forkserver.py: a sixth of the suite's CPU);
+    # CNI_AGENT_TEST_EXEC=1 execs each, as the benchmarks and packages do.
+    if os.environ.get("CNI_AGENT_TEST_EXEC") != "1":
+        Agent.fork_server = ForkServer()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -18,6 +18,8 @@ from typing import Any
 
 import yaml
 
+from tests.support.forkserver import ForkedPopen, ForkServer
+
 REPO = Path(__file__).resolve().parents[2]
 POLICY = REPO / "dbus" / "org.cniagent.Agent1.conf"
 NAME = "org.cniagent.Agent1"
@@ -119,7 +121,14 @@ class NotifySocket:
 
 
 class Agent:
-    """`cni-agent run` as a subprocess, with its own config and dirs."""
+    """`cni-agent run` as a subprocess, with its own config and dirs.
+
+    Forked from `fork_server` when the tests set one (tests/conftest.py) and
+    nothing of the process's start is the test's own (a `prefix`,
+    `python_args`, PYTHON* or LD_* variables): forkserver.py says what that
+    changes. Else exec'd."""
+
+    fork_server: ForkServer | None = None
 
     def __init__(self, tmp: Path, bus: Bus, **config: Any) -> None:
         self.tmp = tmp
@@ -160,11 +169,18 @@ class Agent:
         full_env = {**os.environ, "NOTIFY_SOCKET": self.notify.path, **(env or {})}
         full_env.pop("DBUS_SYSTEM_BUS_ADDRESS", None)
         self._log = open(self.log_path, "a")
-        self.proc = subprocess.Popen(
-            [*self.prefix, sys.executable, *self.python_args, "-m", "cni_agent", "run", "--config",
-             str(self.config_path)],
-            env=full_env, stdout=self._log, stderr=subprocess.STDOUT, text=True,
-        )
+        args = ["run", "--config", str(self.config_path)]
+        # What the interpreter or the loader reads as it starts (a sitecustomize
+        # on PYTHONPATH) only an exec obeys.
+        at_start = any(k.startswith(("PYTHON", "LD_")) for k in env or {})
+        if self.fork_server is not None and not (self.prefix or self.python_args or at_start):
+            self.proc = ForkedPopen(self.fork_server, args, env=full_env, stdout=self._log,
+                                    stderr=subprocess.STDOUT, text=True)
+        else:
+            self.proc = subprocess.Popen(
+                [*self.prefix, sys.executable, *self.python_args, "-m", "cni_agent", *args],
+                env=full_env, stdout=self._log, stderr=subprocess.STDOUT, text=True,
+            )
         if wait:
             self.wait_ready_notification()
         return self
