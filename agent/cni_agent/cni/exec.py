@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import stat
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -41,6 +42,8 @@ _STRIPPED_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS",
                  "TRACEPARENT", "TRACESTATE", "BAGGAGE")
 
 _RUN_KEY = RUN_ENV.encode()
+# os.fsencode's codec, for str.encode called directly (no Python frame per variable).
+_FS_ENCODING, _FS_ERRORS = sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()
 
 MAX_STDOUT = 8 * 1024 * 1024
 MAX_STDERR = 64 * 1024
@@ -100,13 +103,17 @@ class _Proof:
     its `identity` (lstat), and the paths in the dirs searched before the one
     that had the plugin (stat: no regular file there)."""
 
-    walked: tuple[tuple[str, tuple[int, ...]], ...]
+    walked: tuple[tuple[str, int, int, int, int, int], ...]  # path and its `identity`, flat
     before: tuple[str, ...]
 
     def holds(self) -> bool:
+        # `identity`'s fields compared in place: no call and no tuple per entry
+        # (six entries for a plugin in /opt/cni/bin, on every run).
         try:
-            for path, ident in self.walked:
-                if identity(os.lstat(path)) != ident:
+            for path, dev, ino, mode, uid, ctime in self.walked:
+                st = os.lstat(path)
+                if (st.st_ino != ino or st.st_ctime_ns != ctime or st.st_mode != mode
+                        or st.st_uid != uid or st.st_dev != dev):
                     return False
         except OSError:
             return False
@@ -140,7 +147,7 @@ def _find(plugin: str, dirs: Iterable[str], verb: str) -> tuple[str, _Proof | No
             raise PluginUnsafe(plugin, verb, f"refusing to run {path}: {reason}")
         if not walked:  # not root: nothing was judged, nothing to re-check
             return path, None
-        return path, _Proof(tuple((entry, identity(est)) for entry, est in walked),
+        return path, _Proof(tuple((entry, *identity(est)) for entry, est in walked),
                             tuple(os.path.join(b, plugin) for b in searched[:-1]))
     where = ", ".join(searched) or "(no plugin directories configured)"
     raise PluginNotFound(plugin, verb, f"no binary {plugin!r} in {where}")
@@ -298,7 +305,8 @@ class ProcessExecutor:
             self._env_cache = {os.fsencode(k): os.fsencode(v) for k, v in env.items()}
         if inv is not self._env_inv:
             self._env = {**self._env_cache,
-                         **{os.fsencode(k): os.fsencode(v) for k, v in inv.environ().items()}}
+                         **{k.encode(_FS_ENCODING, _FS_ERRORS): v.encode(_FS_ENCODING, _FS_ERRORS)
+                            for k, v in inv.environ().items()}}
             self._env_inv = inv
         return self._env
 
