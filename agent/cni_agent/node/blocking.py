@@ -18,7 +18,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from cni_agent.api import AgentError, ErrorKind
 from cni_agent.cni.errors import InvalidArgument
@@ -212,21 +212,12 @@ class PathWorker:
         return self._held(lambda: _pin_or_none(path, field), field, path,
                           lambda opath: _pin_or_none(path, field, opath))
 
-    @asynccontextmanager
-    async def _held(self, open_: Callable[[], _P], field: str, path: str,
-                    quick: Callable[[int], _P]) -> AsyncIterator[_P]:
+    def _held(self, open_: Callable[[], _P], field: str, path: str,
+              quick: Callable[[int], _P]) -> _Held[_P]:
         """`open_()` on a path thread; or, where resolving the path can only
         wait on the kernel (`netns.in_kernel`: where runtimes put namespaces),
         `quick(opath)` right here, on the loop: no thread hop."""
-        opath = in_kernel(path)
-        if opath != -1:  # a namespace file, or GONE: answered without a thread
-            ns = quick(opath)
-        else:
-            ns = await self.run(open_, field, path, discard=_close)
-        try:
-            yield ns
-        finally:
-            _close(ns)
+        return _Held(self, open_, field, path, quick)
 
     def stop(self) -> None:
         """Let idle threads exit; stuck ones are daemons and die with the process."""
@@ -234,6 +225,33 @@ class PathWorker:
             self._stopped, n = True, self._started
         for _ in range(n):
             self._jobs.put(None)
+
+
+class _Held(Generic[_P]):
+    """`PathWorker._held`'s block, closed when it ends: a class, not
+    @asynccontextmanager (an async generator, its wrapper and the loop's
+    weak set entry for it, on every call that pins a namespace)."""
+
+    __slots__ = ("_field", "_ns", "_open", "_path", "_quick", "_worker")
+
+    def __init__(self, worker: PathWorker, open_: Callable[[], _P], field: str, path: str,
+                 quick: Callable[[int], _P]) -> None:
+        self._worker, self._field, self._path = worker, field, path
+        self._open: Callable[[], _P] = open_
+        self._quick: Callable[[int], _P] = quick
+        self._ns: _P
+
+    async def __aenter__(self) -> _P:
+        opath = in_kernel(self._path)
+        if opath != -1:  # a namespace file, or GONE: answered without a thread
+            ns = self._quick(opath)
+        else:
+            ns = await self._worker.run(self._open, self._field, self._path, discard=_close)
+        self._ns = ns
+        return ns
+
+    async def __aexit__(self, *exc: object) -> None:
+        _close(self._ns)
 
 
 @asynccontextmanager

@@ -174,14 +174,9 @@ class SandboxManager:
                 raise AgentError(ErrorKind.BUSY, "start-up recovery is still running after "
                                                  f"{self.timeouts.lock:g}s") from None
 
-    @asynccontextmanager
-    async def locked(self, ticket: Ticket) -> AsyncIterator[None]:
+    def locked(self, ticket: Ticket) -> AbstractAsyncContextManager[None]:
         """Recovery over, then the sandbox's lock, within one `timeouts.lock` budget."""
-        deadline = asyncio.get_running_loop().time() + self.timeouts.lock
-        await self.recovered(deadline)
-        async with self.locks.hold(ticket.sandbox_id, self.timeouts.lock, deadline):
-            ticket.start()
-            yield
+        return _Locked(self, ticket)
 
     def gate(self) -> None:
         if not self.accepting:
@@ -691,6 +686,33 @@ def unrecorded_error(what: str, removal: Removal) -> AgentError:
                       f"{what}: the DELs succeeded and the network is released, but "
                       f"{removal.unrecorded}; the next reaping pass finishes it once the disk "
                       "allows")
+
+
+class _Locked:
+    """`SandboxManager.locked`'s block: a class, not @asynccontextmanager (an
+    async generator, its wrapper and the loop's weak set entry for it, on
+    every call)."""
+
+    __slots__ = ("_hold", "_m", "_ticket")
+
+    def __init__(self, m: SandboxManager, ticket: Ticket) -> None:
+        self._m, self._ticket = m, ticket
+
+    async def __aenter__(self) -> None:
+        m, ticket = self._m, self._ticket
+        deadline = asyncio.get_running_loop().time() + m.timeouts.lock
+        await m.recovered(deadline)
+        hold = m.locks.hold(ticket.sandbox_id, m.timeouts.lock, deadline)
+        await hold.__aenter__()
+        try:
+            ticket.start()
+        except BaseException as e:  # released again, as leaving the block would
+            await hold.__aexit__(type(e), e, e.__traceback__)
+            raise
+        self._hold = hold
+
+    async def __aexit__(self, *exc: Any) -> bool | None:
+        return await self._hold.__aexit__(*exc)
 
 
 @asynccontextmanager

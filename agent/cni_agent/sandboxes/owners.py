@@ -25,16 +25,19 @@ from cni_agent.sandboxes.policy import Caller, Policy
 from cni_agent.sandboxes.records import SandboxRecord
 
 
-@asynccontextmanager
-async def callers_netns(paths: PathWorker, netns: str, netns_fd: int | None, caller: Caller
-                        ) -> AsyncIterator[Pinned]:
+def callers_netns(paths: PathWorker, netns: str, netns_fd: int | None, caller: Caller
+                  ) -> AbstractAsyncContextManager[Pinned]:
     """The namespace an ADD runs in, pinned: the caller's descriptor (`netns`
     its label, never opened), or (root only) the path, opened by the agent."""
     if netns_fd is None:
         Policy.named_by_path(caller)
-        async with paths.pinned(netns) as ns:
-            yield ns
-        return
+        return paths.pinned(netns)  # itself: no generator around it (root's every ADD)
+    return _by_descriptor(paths, netns, netns_fd, caller)
+
+
+@asynccontextmanager
+async def _by_descriptor(paths: PathWorker, netns: str, netns_fd: int, caller: Caller
+                         ) -> AsyncIterator[Pinned]:
     validate_label(netns)
     async with descriptor(paths, netns_fd, netns, caller) as ns:
         if caller.root:

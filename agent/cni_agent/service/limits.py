@@ -33,7 +33,7 @@ import asyncio
 import collections
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass, field
 
 from cni_agent.api import AgentError, ErrorKind
@@ -62,6 +62,7 @@ _FORGET_AFTER = 600.0  # a uid quiet this long is dropped from the table
 
 STRANGERS = "callers neither root nor in the access group"
 MEMBERS = "members of the access group and polkit's delegates"
+_AT_ONCE: AbstractAsyncContextManager[None] = nullcontext()  # root's share: stateless, shared
 
 
 @dataclass
@@ -236,14 +237,16 @@ class Limits:
         shared.tokens -= 1
         return None
 
-    @asynccontextmanager
-    async def share(self, caller: Caller, slot: bool = True) -> AsyncIterator[None]:
+    def share(self, caller: Caller, slot: bool = True) -> AbstractAsyncContextManager[None]:
         """One call of `caller` served within its class's share (root: at
         once, never counted); Busy past a bound. `slot=False`: a call that
         only waits, counted per uid but holding no slot."""
         if caller.role is Role.ROOT:
-            yield
-            return
+            return _AT_ONCE  # no generator and its wrapper on root's every call
+        return self._share(caller, slot)
+
+    @asynccontextmanager
+    async def _share(self, caller: Caller, slot: bool) -> AsyncIterator[None]:
         share = self.strangers if caller.role is Role.STRANGER else self.members
         await share.enter(caller.uid, slot)
         try:
