@@ -39,6 +39,9 @@ _DNS_KEYS = ("nameservers", "domain", "search", "options")
 _ROUTE_INTS = ("mtu", "advmss", "priority", "table", "scope")
 
 
+# Cached: a handful of versions, compared several times a call. A bad one
+# raises, and exceptions are not cached.
+@functools.lru_cache(maxsize=64)
 def version_key(version: str) -> tuple[int, ...]:
     try:
         return tuple(int(p) for p in version.split("."))
