@@ -27,20 +27,17 @@ _current: contextvars.ContextVar[tuple[Mapping[str, str], ...]] = contextvars.Co
     "cni_agent_log_fields", default=())
 
 
-def log_fields(**fields: str) -> _Fields:
-    """Add `fields` (empty values ignored) to every line logged inside the block."""
-    if not _KNOWN.issuperset(fields):
-        raise ValueError(f"not a journal field of ours: {sorted(set(fields) - _KNOWN)}")
-    return _Fields(fields)
-
-
 class _Fields:
     """The block of `log_fields`: a plain class, not @contextmanager (a generator
-    and its wrapper per block, several blocks per call)."""
+    and its wrapper per block, several blocks per call), and the class itself
+    (no function to call first)."""
 
     __slots__ = ("_fields", "_token")
 
-    def __init__(self, fields: dict[str, str]) -> None:
+    def __init__(self, **fields: str) -> None:
+        """Add `fields` (empty values ignored) to every line logged inside the block."""
+        if not _KNOWN.issuperset(fields):
+            raise ValueError(f"not a journal field of ours: {sorted(set(fields) - _KNOWN)}")
         self._fields = fields
 
     def __enter__(self) -> None:
@@ -48,6 +45,9 @@ class _Fields:
 
     def __exit__(self, *exc: object) -> None:
         _current.reset(self._token)
+
+
+log_fields = _Fields
 
 
 class ContextFields(logging.Filter):

@@ -6,8 +6,7 @@ classified here), so the D-Bus layer is a lookup, never a guess.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from types import TracebackType
 
 from cni_agent.api import AgentError, ErrorKind
 from cni_agent.cni.errors import (
@@ -59,13 +58,21 @@ def classify(exc: BaseException) -> AgentError:
     return AgentError(ErrorKind.PLUGIN_FAILED, f"internal error: {type(exc).__name__}: {exc}")
 
 
-@contextmanager
-def classified() -> Iterator[None]:
-    """Re-raise anything the core raises as its AgentError (one already is: as
-    it is, since `raise e from e` would make it its own cause)."""
-    try:
-        yield
-    except AgentError:
-        raise
-    except Exception as e:
-        raise classify(e) from e
+class _Classified:
+    """`with classified():` re-raises anything the core raises as its AgentError
+    (one already is: as it is, since `raise e from e` would make it its own
+    cause). A plain class, not @contextmanager: a generator and its wrapper per
+    block, several blocks per call."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, tp: type[BaseException] | None, e: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if isinstance(e, Exception) and not isinstance(e, AgentError):
+            raise classify(e) from e
+
+
+classified = _Classified
