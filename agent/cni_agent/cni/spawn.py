@@ -242,7 +242,8 @@ class Child:
         self._exit_waiter: asyncio.Future[None] | None = None
         self._watched: set[int] = set()
         self._done: asyncio.Future[None] = loop.create_future()
-        _exits(loop).watch(self._pidfd, self._on_exit)
+        self._exits = _exits(loop)  # its loop's, kept for the burial
+        self._exits.watch(self._pidfd, self._on_exit)
         now = loop.time()
         watch_at = now + _WATCH_AFTER
         self._deadline = None if timeout is None else now + timeout
@@ -426,6 +427,6 @@ class Child:
             self._leftovers.ended(self.pid)
             raise
         self._leftovers.ended(self.pid, reaped=False)
-        _exits(self._loop).bury(self.pid, self._pidfd, self._leftovers.reaped)
+        self._exits.bury(self.pid, self._pidfd, self._leftovers.reaped)
         assert info is not None  # exited: WNOHANG finds it
         return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
