@@ -23,7 +23,7 @@ from typing import Any
 from dbus_fast import Message, MessageType
 
 from cni_agent.api import AgentError, ErrorKind
-from cni_agent.sandboxes.policy import ACTIONS, Caller, Policy, Role, Scope
+from cni_agent.sandboxes.policy import ACTIONS, ROOT, Caller, Policy, Role, Scope
 from cni_agent.service.polkit import Polkit
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class Authorizer:
     def caller(self, uid: int, gids: frozenset[int]) -> Caller:
         """Who a process of `uid` with groups `gids` is to us, on any transport."""
         if uid == 0:
-            return Caller(0, Role.ROOT)
+            return ROOT  # immutable: the one made once
         return Caller(uid, Role.MEMBER if gids & self.gids else Role.STRANGER)
 
     def lookup(self, sender: str) -> asyncio.Task[tuple[int, frozenset[int]]]:
