@@ -39,15 +39,27 @@ class KernelSync:
                  efd: int) -> None:
         self._libc = libc
         self._setup, self._destroy, self._getevents, self._submit = numbers
-        self._ctx = ctx
+        self._ctx = ctypes.c_ulong(ctx)
         self._efd = efd
-        # The batch in flight: its descriptors, its iocbs (alive until done),
-        # what is left to complete, the first error, and whom to tell.
+        # Made once: a batch's iocbs, the pointers io_submit reads, the events
+        # io_getevents fills and its zero timeout (one batch at a time, of at
+        # most _MAX iocbs: a larger one gets its own, see `_iocbs_for`).
+        self._iocb_buf = ctypes.create_string_buffer(_IOCB.size * _MAX)
+        base = ctypes.addressof(self._iocb_buf)
+        self._pointers = (ctypes.c_void_p * _MAX)(*(base + i * _IOCB.size for i in range(_MAX)))
+        self._events = ctypes.create_string_buffer(_EVENT.size * _MAX)
+        self._zero = _Timespec(0, 0)
+        self._no_wait = ctypes.byref(self._zero)
+        # The batch in flight: its descriptors, its iocbs when not the ones
+        # above (alive until done), what is left to complete, the first error,
+        # and whom to tell.
         self._fds: list[int] = []
-        self._iocbs: list[ctypes.Array[ctypes.c_char]] = []
+        self._iocbs: object = None
         self._left = 0
         self._error: OSError | None = None
         self._done: Callable[[BaseException | None], None] | None = None
+        # The loop watching the eventfd: registered at the first batch and left
+        # so (a registration per batch cost two epoll_ctl and a handle).
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @classmethod
@@ -84,40 +96,58 @@ class KernelSync:
         if dir_fd >= 0:
             jobs.append((dir_fd, _IOCB_CMD_FSYNC))
         if not jobs:
-            self._loop = asyncio.get_running_loop()
-            self._loop.call_soon(done, None)
+            asyncio.get_running_loop().call_soon(done, None)
             return True
-        iocbs = [ctypes.create_string_buffer(_IOCB.size) for _ in jobs]
+        buffer, pointers = self._iocbs_for(len(jobs))
         for i, (fd, cmd) in enumerate(jobs):
-            _IOCB.pack_into(iocbs[i], 0, i, 0, 0, cmd, 0, fd, 0, 0, 0, 0,
+            _IOCB.pack_into(buffer, i * _IOCB.size, i, 0, 0, cmd, 0, fd, 0, 0, 0, 0,
                             _IOCB_FLAG_RESFD, self._efd)
-        pointers = (ctypes.c_void_p * len(iocbs))(*(ctypes.addressof(b) for b in iocbs))
-        submitted = self._libc.syscall(self._submit, ctypes.c_ulong(self._ctx), len(iocbs),
-                                       pointers)
-        if submitted != len(iocbs):
+        submitted = self._libc.syscall(self._submit, self._ctx, len(jobs), pointers)
+        if submitted != len(jobs):
             err = ctypes.get_errno()
             if submitted > 0:  # some are under way: wait for them, then report
-                self._start(fds, iocbs, submitted, done,
+                self._start(fds, buffer, submitted, done,
                             OSError(err or errno.EIO, os.strerror(err or errno.EIO)))
                 return True
             for fd in fds:
                 os.close(fd)
             return False
-        self._start(fds, iocbs, submitted, done, None)
+        self._start(fds, buffer, submitted, done, None)
         return True
 
-    def _start(self, fds: list[int], iocbs: list[ctypes.Array[ctypes.c_char]], count: int,
+    def _iocbs_for(self, count: int) -> tuple[ctypes.Array[ctypes.c_char],
+                                               ctypes.Array[ctypes.c_void_p]]:
+        """Room for `count` iocbs and the pointers to them: the preallocated
+        ones, or for a batch larger than _MAX (none the journal makes) new."""
+        if count <= _MAX:
+            return self._iocb_buf, self._pointers
+        buffer = ctypes.create_string_buffer(_IOCB.size * count)
+        base = ctypes.addressof(buffer)
+        return buffer, (ctypes.c_void_p * count)(*(base + i * _IOCB.size for i in range(count)))
+
+    def _start(self, fds: list[int], iocbs: ctypes.Array[ctypes.c_char], count: int,
                done: Callable[[BaseException | None], None], error: OSError | None) -> None:
         self._fds, self._iocbs, self._left, self._error, self._done = fds, iocbs, count, error, done
-        self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(self._efd, self._ready)
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            self._unwatch()
+            loop.add_reader(self._efd, self._ready)
+            self._loop = loop
+
+    def _unwatch(self) -> None:
+        """The eventfd no longer watched (by a loop that may be closed by now)."""
+        if self._loop is not None:
+            with contextlib.suppress(Exception):
+                self._loop.remove_reader(self._efd)
+            self._loop = None
 
     def _ready(self) -> None:
         with contextlib.suppress(BlockingIOError):
             os.eventfd_read(self._efd)
-        events = ctypes.create_string_buffer(_EVENT.size * _MAX)
-        got = self._libc.syscall(self._getevents, ctypes.c_ulong(self._ctx), 0, _MAX, events,
-                                 ctypes.byref(_Timespec(0, 0)))
+        if self._done is None:
+            return  # a count left by the last batch's completions: drained
+        events = self._events
+        got = self._libc.syscall(self._getevents, self._ctx, 0, _MAX, events, self._no_wait)
         for i in range(max(0, got)):
             res = _EVENT.unpack_from(events, i * _EVENT.size)[2]
             if res < 0 and self._error is None:
@@ -125,28 +155,24 @@ class KernelSync:
         self._left -= max(0, got)
         if self._left > 0:
             return
-        assert self._loop is not None and self._done is not None
-        self._loop.remove_reader(self._efd)
         for fd in self._fds:
             os.close(fd)
         done, error = self._done, self._error
-        self._fds, self._iocbs, self._done, self._error = [], [], None, None
+        self._fds, self._iocbs, self._done, self._error = [], None, None, None
         done(error)
 
     def close(self) -> None:
         """Wait for a batch in flight, then let the context go."""
-        if self._done is not None and self._loop is not None:
-            with contextlib.suppress(Exception):
-                self._loop.remove_reader(self._efd)
+        self._unwatch()
+        if self._done is not None:
             while self._left > 0:  # at shutdown: the kernel finishes quickly
-                events = ctypes.create_string_buffer(_EVENT.size * _MAX)
-                got = self._libc.syscall(self._getevents, ctypes.c_ulong(self._ctx), 1, _MAX,
-                                         events, None)
+                got = self._libc.syscall(self._getevents, self._ctx, 1, _MAX, self._events,
+                                         None)
                 if got < 0:
                     break
                 self._left -= got
             for fd in self._fds:
                 os.close(fd)
-            self._fds, self._iocbs, self._done = [], [], None
-        self._libc.syscall(self._destroy, ctypes.c_ulong(self._ctx))
+            self._fds, self._iocbs, self._done = [], None, None
+        self._libc.syscall(self._destroy, self._ctx)
         os.close(self._efd)
