@@ -130,51 +130,7 @@ class SandboxLocks:
         path = os.path.join(self._dir, _lock_name(sandbox_id))
         if os.path.dirname(path) != self._dir:  # cannot happen; never trust it blindly
             raise ValueError(f"lock file for {sandbox_id!r} would escape {self._dir}")
-        return self._hold(sandbox_id, path, timeout, deadline)
-
-    @asynccontextmanager
-    async def _hold(self, sandbox_id: str, path: str, limit: float,
-                    deadline: float | None) -> AsyncIterator[None]:
-        loop = asyncio.get_running_loop()
-        if deadline is None:
-            deadline = loop.time() + limit  # one budget for queueing and the file lock
-        queue = self._queues.setdefault(sandbox_id, deque())
-        arrived = loop.time()
-        me: asyncio.Future[None] = loop.create_future()
-        queue.append(me)
-        fd = -1
-        try:
-            if queue[0] is not me:
-                try:
-                    async with asyncio.timeout_at(deadline):
-                        await me  # resolved by the previous head as it leaves
-                except TimeoutError:
-                    self._observe(loop.time() - arrived, True)
-                    raise LockTimeout(sandbox_id, limit, f"sandbox {sandbox_id}") from None
-            delay = _POLL_MIN
-            while (fd := self._try_flock(path)) < 0:  # held by another process
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    self._observe(loop.time() - arrived, True)
-                    raise LockTimeout(sandbox_id, limit, f"sandbox {sandbox_id}")
-                await asyncio.sleep(min(delay, remaining))
-                delay = min(delay * 2, _POLL_MAX)
-            self._held.add(sandbox_id)
-            self._observe(loop.time() - arrived, False)
-            yield
-        finally:
-            # However we leave (done, timeout, cancellation), leave no trace and,
-            # if we were the head, hand over to the next waiter in line.
-            if fd >= 0:
-                self._held.discard(sandbox_id)
-                _unlock(path, fd)
-            was_head = queue[0] is me
-            queue.remove(me)
-            if not queue:
-                del self._queues[sandbox_id]
-            elif was_head and not queue[0].done():
-                # A done (cancelled) next head hands over itself in its finally.
-                queue[0].set_result(None)
+        return _Hold(self, sandbox_id, path, timeout, deadline)
 
     def sweep(self) -> list[str]:
         """Remove lock files nobody holds (left by a killed agent); returns their ids.
@@ -224,6 +180,72 @@ class SandboxLocks:
             if locked:
                 return fd
         return -1
+
+
+class _Hold:
+    """`SandboxLocks.hold`'s block: a class, not @asynccontextmanager (an
+    async generator, its wrapper and the loop's weak set entry for it, on
+    every call)."""
+
+    __slots__ = ("_deadline", "_fd", "_id", "_limit", "_locks", "_me", "_path", "_queue")
+
+    def __init__(self, locks: SandboxLocks, sandbox_id: str, path: str, limit: float,
+                 deadline: float | None) -> None:
+        self._locks, self._id, self._path = locks, sandbox_id, path
+        self._limit, self._deadline = limit, deadline
+        self._fd = -1
+
+    async def __aenter__(self) -> None:
+        locks, sandbox_id, limit = self._locks, self._id, self._limit
+        loop = asyncio.get_running_loop()
+        deadline = self._deadline
+        if deadline is None:
+            deadline = loop.time() + limit  # one budget for queueing and the file lock
+        self._queue = queue = locks._queues.setdefault(sandbox_id, deque())
+        arrived = loop.time()
+        self._me = me = loop.create_future()
+        queue.append(me)
+        try:
+            if queue[0] is not me:
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        await me  # resolved by the previous head as it leaves
+                except TimeoutError:
+                    locks._observe(loop.time() - arrived, True)
+                    raise LockTimeout(sandbox_id, limit, f"sandbox {sandbox_id}") from None
+            delay = _POLL_MIN
+            while (fd := locks._try_flock(self._path)) < 0:  # held by another process
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    locks._observe(loop.time() - arrived, True)
+                    raise LockTimeout(sandbox_id, limit, f"sandbox {sandbox_id}")
+                await asyncio.sleep(min(delay, remaining))
+                delay = min(delay * 2, _POLL_MAX)
+            self._fd = fd
+            locks._held.add(sandbox_id)
+            locks._observe(loop.time() - arrived, False)
+        except BaseException:
+            self._leave()
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._leave()
+
+    def _leave(self) -> None:
+        # However we leave (done, timeout, cancellation), leave no trace and,
+        # if we were the head, hand over to the next waiter in line.
+        locks, sandbox_id, queue, me = self._locks, self._id, self._queue, self._me
+        if self._fd >= 0:
+            locks._held.discard(sandbox_id)
+            _unlock(self._path, self._fd)
+            self._fd = -1
+        was_head = queue[0] is me
+        queue.remove(me)
+        if not queue:
+            del locks._queues[sandbox_id]
+        elif was_head and not queue[0].done():
+            # A done (cancelled) next head hands over itself in its finally.
+            queue[0].set_result(None)
 
 
 class NetworkLocks:
