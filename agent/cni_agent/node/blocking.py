@@ -254,6 +254,23 @@ class _Held(Generic[_P]):
         _close(self._ns)
 
 
+class Given:
+    """A namespace at hand (or None) as a block that neither pins nor closes
+    it: a class, not @asynccontextmanager (an async generator, its wrapper and
+    the loop's weak set entry for it)."""
+
+    __slots__ = ("_ns",)
+
+    def __init__(self, ns: Pinned | None = None) -> None:
+        self._ns = ns
+
+    async def __aenter__(self) -> Pinned | None:
+        return self._ns
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+
 @asynccontextmanager
 async def process_held(identity: NetnsId) -> AsyncIterator[Pinned | None]:
     """The namespace `identity` names, reached through a process inside it

@@ -267,27 +267,9 @@ class NetworkLocks:
     def busy(self, network: str) -> bool:
         return self._users.get(network, 0) > 0 or network in self._gc
 
-    @asynccontextmanager
-    async def use(self, network: str, timeout: float) -> AsyncIterator[None]:
+    def use(self, network: str, timeout: float) -> AbstractAsyncContextManager[None]:
         """Hold `network` for one ADD/DEL chain."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while (done := self._gc.get(network)) is not None:
-            try:
-                async with asyncio.timeout_at(deadline):
-                    await done.wait()
-            except TimeoutError:
-                raise LockTimeout(network, timeout, f"network {network} (its GC is running)") from None
-        self._users[network] = self._users.get(network, 0) + 1
-        try:
-            yield
-        finally:
-            self._users[network] -= 1
-            if not self._users[network]:
-                del self._users[network]
-                idle = self._idle.pop(network, None)
-                if idle is not None:
-                    idle.set()
+        return _Use(self, network, timeout)
 
     @asynccontextmanager
     async def exclusive(self, network: str, timeout: float) -> AsyncIterator[None]:
@@ -307,3 +289,33 @@ class NetworkLocks:
         finally:
             del self._gc[network]
             done.set()
+
+
+class _Use:
+    """`NetworkLocks.use`'s block: a class, not @asynccontextmanager (an async
+    generator, its wrapper and the loop's weak set entry for it, per chain)."""
+
+    __slots__ = ("_locks", "_network", "_timeout")
+
+    def __init__(self, locks: NetworkLocks, network: str, timeout: float) -> None:
+        self._locks, self._network, self._timeout = locks, network, timeout
+
+    async def __aenter__(self) -> None:
+        locks, network, timeout = self._locks, self._network, self._timeout
+        deadline = asyncio.get_running_loop().time() + timeout
+        while (done := locks._gc.get(network)) is not None:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await done.wait()
+            except TimeoutError:
+                raise LockTimeout(network, timeout, f"network {network} (its GC is running)") from None
+        locks._users[network] = locks._users.get(network, 0) + 1
+
+    async def __aexit__(self, *exc: object) -> None:
+        locks, network = self._locks, self._network
+        locks._users[network] -= 1
+        if not locks._users[network]:
+            del locks._users[network]
+            idle = locks._idle.pop(network, None)
+            if idle is not None:
+                idle.set()

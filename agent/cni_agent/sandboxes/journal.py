@@ -34,7 +34,7 @@ from cni_agent.cni.errors import CacheError, CNIError, ConfigError, EntryKept, I
 from cni_agent.cni.logctx import log_fields
 from cni_agent.cni.result import with_sandbox
 from cni_agent.cni.runtime import CNIRuntime, RuntimeConf
-from cni_agent.node.blocking import PathWorker, process_held
+from cni_agent.node.blocking import Given, PathWorker, process_held
 from cni_agent.node.locks import NetworkLocks
 from cni_agent.node.netns import (
     NetnsError,
@@ -275,11 +275,11 @@ class Journal:
             # label is never opened (a path on a mount that never answers
             # would hold a path thread of root's, and root's GC, forever).
             if given is not None and rec.netns_id.same(given.identity):
-                pinned = _as_given(given)
+                pinned = Given(given)  # its opener closes it
             else:
                 pinned = process_held(rec.netns_id)
         elif given is not None and given.path == rec.netns:
-            pinned = _as_given(given)
+            pinned = Given(given)  # its opener closes it
         else:
             pinned = self.paths.pinned_if_netns(rec.netns)
         async with pinned as ns:
@@ -662,11 +662,6 @@ class Journal:
                 self._parsed.clear()
             self._parsed[data] = parse_list_or_none(data, f"recorded config of {source}")
         return self._parsed[data]
-
-
-@asynccontextmanager
-async def _as_given(ns: Pinned) -> AsyncIterator[Pinned | None]:
-    yield ns  # its opener closes it
 
 
 def _lo_down(ns: Pinned, sandbox_id: str) -> None:

@@ -14,8 +14,8 @@ import asyncio
 import hashlib
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -32,7 +32,7 @@ from cni_agent.cni.cache import CachedAttachment
 from cni_agent.cni.config import NetworkConfigList
 from cni_agent.cni.errors import CNIError, InvalidArgument, NoCachedResult, PluginError
 from cni_agent.cni.logctx import log_fields
-from cni_agent.node.blocking import UNANSWERED
+from cni_agent.node.blocking import UNANSWERED, Given
 from cni_agent.node.locks import SandboxLocks
 from cni_agent.node.netns import NetnsError, NetnsId, Pinned
 from cni_agent.readiness.monitor import Monitor
@@ -715,25 +715,32 @@ class _Locked:
         return await self._hold.__aexit__(*exc)
 
 
-@asynccontextmanager
-async def no_netns(ns: Pinned | None = None) -> AsyncIterator[Pinned | None]:
-    yield ns
+def no_netns(ns: Pinned | None = None) -> AbstractAsyncContextManager[Pinned | None]:
+    return Given(ns)
 
 
-@asynccontextmanager
-async def unless_hung(cm: AbstractAsyncContextManager[Pinned | None]
-                       ) -> AsyncIterator[Pinned | None]:
+class unless_hung:  # a block, named as the function it replaced
     """`cm`'s namespace, or None when its path does not answer: a Teardown must
-    be able to finish (with an empty netns) even then."""
-    entered = False
-    try:
-        async with cm as ns:
-            entered = True
-            yield ns
-    except UNANSWERED as e:
-        if entered:
-            raise
-        log.warning("tearing down with an empty netns: %s", e)
-    else:
-        return
-    yield None
+    be able to finish (with an empty netns) even then. A class, not
+    @asynccontextmanager (an async generator, its wrapper and the loop's weak
+    set entry for it, twice per DEL)."""
+
+    __slots__ = ("_cm", "_entered")
+
+    def __init__(self, cm: AbstractAsyncContextManager[Pinned | None]) -> None:
+        self._cm = cm
+        self._entered = False
+
+    async def __aenter__(self) -> Pinned | None:
+        try:
+            ns = await self._cm.__aenter__()
+        except UNANSWERED as e:
+            log.warning("tearing down with an empty netns: %s", e)
+            return None
+        self._entered = True
+        return ns
+
+    async def __aexit__(self, *exc: Any) -> bool | None:
+        if not self._entered:
+            return None
+        return await self._cm.__aexit__(*exc)
