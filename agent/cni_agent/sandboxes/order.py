@@ -12,8 +12,6 @@ cleaned up with Teardown never finds the sandbox set up afterwards.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -66,11 +64,23 @@ class Sequencer:
     def pending(self, sandbox_id: str) -> int:
         return len(self._pending.get(sandbox_id, ()))
 
-    @contextmanager
     def arrive(self, sandbox_id: str, kind: Kind,
-               ifnames: frozenset[str] | None = None) -> Iterator[Ticket]:
-        ticket = Ticket(sandbox_id, kind, ifnames)
-        queue = self._pending.setdefault(sandbox_id, [])
+               ifnames: frozenset[str] | None = None) -> _Arrival:
+        return _Arrival(self._pending, Ticket(sandbox_id, kind, ifnames))
+
+
+class _Arrival:
+    """`Sequencer.arrive`'s block: a class, not @contextmanager (a generator
+    and its wrapper on every call)."""
+
+    __slots__ = ("_pending", "_queue", "_ticket")
+
+    def __init__(self, pending: dict[str, list[Ticket]], ticket: Ticket) -> None:
+        self._pending, self._ticket = pending, ticket
+
+    def __enter__(self) -> Ticket:
+        ticket, kind = self._ticket, self._ticket.kind
+        self._queue = queue = self._pending.setdefault(ticket.sandbox_id, [])
         if kind is Kind.REMOVE:
             for earlier in queue:
                 if earlier.kind is Kind.ADD and not earlier.started and earlier.covers(ticket):
@@ -81,9 +91,10 @@ class Sequencer:
         if kind is Kind.BACKGROUND and queue:
             ticket.superseded.set()
         queue.append(ticket)
-        try:
-            yield ticket
-        finally:
-            queue.remove(ticket)
-            if not queue:
-                del self._pending[sandbox_id]
+        return ticket
+
+    def __exit__(self, *exc: object) -> None:
+        queue = self._queue
+        queue.remove(self._ticket)
+        if not queue:
+            del self._pending[self._ticket.sandbox_id]
