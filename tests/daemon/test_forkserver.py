@@ -84,3 +84,17 @@ def test_forked_agent_refuses_a_bad_config_as_an_exec_one(
         agent.stop()
     assert outcomes["forked"] == outcomes["exec"]
     assert outcomes["exec"][0] != 0 and "log_level" in outcomes["exec"][1]
+
+
+def test_a_server_that_died_is_replaced_at_the_next_start(
+        tmp_path: Path, system_bus: Bus, server: ForkServer) -> None:
+    first = _agent(tmp_path, system_bus, server, "first").start()
+    assert first.stop() == 0
+    assert server.pid is not None
+    dead = server.pid
+    os.kill(dead, signal.SIGKILL)
+    with pytest.raises(OSError, match="could not start an agent"):
+        _agent(tmp_path, system_bus, server, "refused").start()
+    second = _agent(tmp_path, system_bus, server, "second").start()
+    assert server.pid not in (None, dead)
+    assert second.stop() == 0

@@ -179,20 +179,32 @@ class ForkServer:
     def close(self) -> None:
         """Stop the server (the agents it forked run on)."""
         with self._lock:
-            if self._sock is not None:
-                self._sock.close()
-                self._sock = None
-            if self._proc is not None:
+            self._drop()
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self._proc is not None:
+            try:
                 self._proc.wait(10)
-                self._proc = None
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            self._proc = None
 
     def fork(self, argv: list[str], env: dict[str, str], cwd: str,
              stdio: tuple[int, int, int]) -> tuple[int, int]:
         """A forked agent: its pid, and the pipe its wait status comes on."""
         with self._lock:
             sock = self._sock or self._start()
-            _send(sock, {"argv": argv, "env": env, "cwd": cwd}, list(stdio))
-            reply, fds = _receive(sock, 1)
+            try:
+                _send(sock, {"argv": argv, "env": env, "cwd": cwd}, list(stdio))
+                reply, fds = _receive(sock, 1)
+            except OSError:
+                reply, fds = None, []
+            if reply is None:  # the server is gone: the next start makes another
+                self._drop()
         if reply is None or "pid" not in reply:
             for fd in fds:
                 os.close(fd)
