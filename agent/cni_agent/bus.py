@@ -5,10 +5,11 @@ Shared by the daemon and the CLI (the same `--bus` spellings on both sides).
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from typing import Any
 
-from dbus_fast import BusType
+from dbus_fast import BusType, Message
 from dbus_fast.aio import MessageBus
 
 
@@ -38,7 +39,8 @@ class _Patient:
 
 
 class _Bus(MessageBus):
-    """A connection that is finalized once.
+    """A connection that is finalized once, and whose failed sends nobody
+    awaits are not logged as errors (`send`).
 
     dbus-fast (1.84 and 5.2 alike) finalizes a connection again whenever a send
     fails after it broke (the reply to a call that was in flight when the bus
@@ -53,12 +55,34 @@ class _Bus(MessageBus):
             return
         super()._finalize(err)
 
+    def send(self, msg: Message) -> asyncio.Future[None]:  # type: ignore[override]
+        """As dbus-fast's (its few lines: the future must have its callback
+        before the write, which may fail and raise at once). A failed send
+        nobody awaits (a reply, a signal: the connection broke) is then not
+        logged as "Future exception was never retrieved" when collected, an
+        ERROR with a traceback per message in the agent's log at a node's
+        shutdown: the disconnect says it once."""
+        if not msg.serial:
+            msg.serial = self.next_serial()
+        sent: asyncio.Future[None] = self._loop.create_future()
+        sent.add_done_callback(_retrieved)
+        assert self._writer is not None
+        self._writer.schedule_write(msg, sent)
+        return sent
+
     async def connect(self) -> MessageBus:
         await super().connect()
         writer = self._writer
         assert writer is not None and writer.sock is not None  # connected
         writer.sock = _Patient(writer.sock)  # type: ignore[assignment]  # what it uses of one
+        # Its error too, when the connection broke and nobody waits for it.
+        self._disconnect_future.add_done_callback(_retrieved)
         return self
+
+
+def _retrieved(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()  # marks it retrieved; whoever awaits it still gets it
 
 
 async def connect(bus: str) -> MessageBus:
