@@ -9,7 +9,7 @@ import asyncio
 import socket
 from typing import Any
 
-from dbus_fast import BusType, Message
+from dbus_fast import BusType
 from dbus_fast.aio import MessageBus
 
 
@@ -40,7 +40,7 @@ class _Patient:
 
 class _Bus(MessageBus):
     """A connection that is finalized once, and whose failed sends nobody
-    awaits are not logged as errors (`send`).
+    awaits are not logged as errors.
 
     dbus-fast (1.84 and 5.2 alike) finalizes a connection again whenever a send
     fails after it broke (the reply to a call that was in flight when the bus
@@ -51,38 +51,31 @@ class _Bus(MessageBus):
     """
 
     def _finalize(self, err: Exception | None = None) -> None:
+        # Every failed write ends here (dbus-fast sets the error on the send's
+        # future, then finalizes). Nobody awaits a reply's or a signal's send,
+        # and asyncio would log each such error when collected ("Future
+        # exception was never retrieved"): an ERROR with a traceback per
+        # message lost with the connection, at every node shutdown that stops
+        # the bus first.
+        if self._writer is not None:
+            _retrieve(self._writer.fut)
         if self._disconnected:
             return
         super()._finalize(err)
-
-    def send(self, msg: Message) -> asyncio.Future[None]:  # type: ignore[override]
-        """As dbus-fast's (its few lines: the future must have its callback
-        before the write, which may fail and raise at once). A failed send
-        nobody awaits (a reply, a signal: the connection broke) is then not
-        logged as "Future exception was never retrieved" when collected, an
-        ERROR with a traceback per message in the agent's log at a node's
-        shutdown: the disconnect says it once."""
-        if not msg.serial:
-            msg.serial = self.next_serial()
-        sent: asyncio.Future[None] = self._loop.create_future()
-        sent.add_done_callback(_retrieved)
-        assert self._writer is not None
-        self._writer.schedule_write(msg, sent)
-        return sent
+        _retrieve(self._disconnect_future)  # its error too, when nobody waits for it
 
     async def connect(self) -> MessageBus:
         await super().connect()
         writer = self._writer
         assert writer is not None and writer.sock is not None  # connected
         writer.sock = _Patient(writer.sock)  # type: ignore[assignment]  # what it uses of one
-        # Its error too, when the connection broke and nobody waits for it.
-        self._disconnect_future.add_done_callback(_retrieved)
         return self
 
 
-def _retrieved(fut: asyncio.Future[Any]) -> None:
-    if not fut.cancelled():
-        fut.exception()  # marks it retrieved; whoever awaits it still gets it
+def _retrieve(fut: asyncio.Future[Any] | None) -> None:
+    """Mark a failed future's error retrieved; whoever awaits it still gets it."""
+    if fut is not None and fut.done() and not fut.cancelled():
+        fut.exception()
 
 
 async def connect(bus: str) -> MessageBus:
