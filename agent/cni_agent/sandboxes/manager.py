@@ -456,7 +456,7 @@ class SandboxManager:
             return descriptor(self.journal.paths, netns_fd, netns, caller)
         if netns and caller.root:
             return self.journal.paths.pinned_if_netns(netns)
-        return no_netns()
+        return Given()
 
     async def _teardown(self, sandbox_id: str, netns: str, caller: Caller,
                         netns_fd: int | None = None) -> None:
@@ -475,7 +475,7 @@ class SandboxManager:
                 # one; without a record (another tool's entries) the caller's;
                 # else none — an empty netns, which DEL must tolerate.
                 ns_cm = self.journal.live_netns(rec, entries, given=given) if rec \
-                    else no_netns(given)
+                    else Given(given)
                 async with unless_hung(ns_cm) as ns:
                     refuse_alive(caller, rec, given, ns)
                     claimed = await self.journal.claim(sandbox_id, rec, entries, netns,
@@ -713,10 +713,6 @@ class _Locked:
 
     async def __aexit__(self, *exc: Any) -> bool | None:
         return await self._hold.__aexit__(*exc)
-
-
-def no_netns(ns: Pinned | None = None) -> AbstractAsyncContextManager[Pinned | None]:
-    return Given(ns)
 
 
 class unless_hung:  # a block, named as the function it replaced
