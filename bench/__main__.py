@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(goals_table(results))
     run = write_json(args.json, results, args.smoke, load, source)
+    print(f"\nThe Go libcni anchor: {run['machine']['libcni_anchor']}")
     print(f"\n{len(results)} benchmark(s) in {time.monotonic() - started:.0f} s on {os.cpu_count()} cores, "
           f"load average {load:.2f} at start, {os.getloadavg()[0]:.2f} at end; JSON: {args.json}")
     if args.write_doc:

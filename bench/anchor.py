@@ -40,6 +40,59 @@ def usable_anchor() -> tuple[Path | None, str]:
     return binary, ""
 
 
+_BUILDINFO = b"\xff Go buildinf:"
+_INLINE_STRINGS = 0x2  # Go >= 1.18: version and module info follow the header
+LIBCNI = "github.com/containernetworking/cni"
+
+
+def _uvarint(data: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+
+
+def go_build_info(binary: Path) -> tuple[str, dict[str, str]]:
+    """What a Go binary says it was built with, as `go version -m` prints it (no
+    Go toolchain needed): the Go version and each module dependency's version.
+    ("", {}) when it holds no build info this reads (before Go 1.18)."""
+    data = binary.read_bytes()
+    at = data.find(_BUILDINFO)
+    # The header is 32 bytes, 16-aligned; then two length-prefixed strings.
+    if at < 0 or at % 16 or len(data) < at + 32 or not data[at + 15] & _INLINE_STRINGS:
+        return "", {}
+    size, pos = _uvarint(data, at + 32)
+    version = data[pos:pos + size].decode(errors="replace")
+    size, pos = _uvarint(data, pos + size)
+    mod = data[pos:pos + size]
+    if len(mod) >= 33 and mod[-17:-16] == b"\n":  # the linker's 16-byte sentinels around it
+        mod = mod[16:-16]
+    deps = {}
+    for line in mod.decode(errors="replace").splitlines():
+        kind, _, rest = line.partition("\t")
+        if kind == "dep":
+            path, _, version_rest = rest.partition("\t")
+            deps[path] = version_rest.split("\t")[0]
+    return version, deps
+
+
+def identity(binary: Path) -> str:
+    """The anchor as it was built, for a run's record: its own CPU per call
+    depends on the Go and libcni versions, so figures measured against two
+    builds are not comparable."""
+    go, deps = go_build_info(binary)
+    commit_file = binary.parent / "commit"
+    commit = commit_file.read_text().strip() if commit_file.exists() else ""
+    parts = [go or "Go version unknown", f"libcni {deps.get(LIBCNI, 'version unknown')}"]
+    if commit and commit != "unknown":
+        parts.append(f"CRI-O {commit[:12]}")
+    return f"{binary} ({', '.join(parts)})"
+
+
 class Anchor:
     """The anchor process: per line written to it, one `pair` (ADD, DEL) or `pod`
     (ADD, CHECK, DEL, as CRI-O runs a pod) in one netns, or `many`: ADD in

@@ -50,7 +50,8 @@ def stamp(doc: Mapping[str, Any]) -> str:
     which = "every benchmark" if not skipped else f"only {', '.join(ran)} (not run: {', '.join(skipped)})"
     return (f"Generated from one `python -m bench` run on {when}, commit {commit}: "
             f"{which}; {m['nproc']} cores ({m['cpu'] or 'unknown CPU'}), kernel {m['kernel']}, "
-            f"Python {m['python']}, dbus-fast {m['dbus-fast']}; load average {m['loadavg_start']:.2f} "
+            f"Python {m['python']}, dbus-fast {m['dbus-fast']}; the Go libcni anchor "
+            f"{m.get('libcni_anchor') or 'not recorded'}; load average {m['loadavg_start']:.2f} "
             f"at the start, {m['loadavg_end']:.2f} at the end. Not edited by hand: rerun it.")
 
 

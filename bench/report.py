@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import REPO
+from bench.anchor import identity, usable_anchor
 
 Figure = dict[str, Any]
 
@@ -133,6 +134,12 @@ def source_state() -> dict[str, Any]:
     }
 
 
+def _anchor() -> str:
+    """Which Go libcni anchor the libcni figures measured (or why none)."""
+    binary, missing = usable_anchor()
+    return identity(binary) if binary is not None else missing
+
+
 def machine() -> dict[str, Any]:
     cpu = ""
     try:
@@ -147,6 +154,7 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "dbus-fast": _version("dbus-fast"),
         "pyroute2": _version("pyroute2"),
+        "libcni_anchor": _anchor(),
         **source_state(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         # Others may share the machine: the 1-minute load average when the run ended.

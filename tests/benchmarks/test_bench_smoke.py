@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from bench import REPO, doc, goals
+from bench.anchor import LIBCNI, go_build_info, identity
 from bench.harness import PREFIX
 from bench.registry import BENCHMARKS
 from bench.report import figure
@@ -97,7 +98,8 @@ def test_write_doc_rewrites_only_the_generated_section(tmp_path: Path) -> None:
     page.write_text(f"{head}{doc.BEGIN}\nan old table\n{doc.END}{tail}")
     machine = {"date": "2026-12-07T10:00:00+00:00", "git_commit": "abcdef1234", "git_short": "abcdef1",
                "git_dirty": True, "nproc": 2, "cpu": "a CPU", "kernel": "6.1", "python": "3.11.2",
-               "dbus-fast": "2.0", "loadavg_start": 0.5, "loadavg_end": 1.5}
+               "dbus-fast": "2.0", "loadavg_start": 0.5, "loadavg_end": 1.5,
+               "libcni_anchor": "/c/libcni-anchor (go1.26.10, libcni v1.3.0)"}
     fig = figure("overhead.libcni_pair", [10.0, 12.0], ratio=1.3, note="a | note",
                  **goals.judge("overhead.libcni_pair", 1.3, above_floor_ms=2.5, versus="11 vs 8.5 ms"))
     run = {"smoke": False, "machine": machine,
@@ -108,6 +110,7 @@ def test_write_doc_rewrites_only_the_generated_section(tmp_path: Path) -> None:
     assert "an old table" not in text
     assert "2026-12-07 10:00 UTC, commit abcdef1 + uncommitted changes" in text
     assert "(not run: shim," in text and "a \\| note" in text
+    assert "the Go libcni anchor /c/libcni-anchor (go1.26.10, libcni v1.3.0);" in text
     assert "| `overhead.libcni_pair` | " in text
     assert "| 1.30x (11 vs 8.5 ms) | +2.50 ms/call | must PASS, goal FAIL |" in text
     with pytest.raises(ValueError, match="smoke"):
@@ -115,3 +118,44 @@ def test_write_doc_rewrites_only_the_generated_section(tmp_path: Path) -> None:
     page.write_text("no markers\n")
     with pytest.raises(ValueError, match="no single <!-- bench:begin -->"):
         doc.write(page, run)
+
+
+def _go_binary(path: Path, version: bytes, mod: bytes) -> None:
+    """The build info section of a Go >= 1.18 binary, as its linker lays it out."""
+    def prefixed(b: bytes) -> bytes:  # a uvarint length, 7 bits a byte
+        n, out = len(b), bytearray()
+        while n >= 0x80:
+            out.append(n & 0x7F | 0x80)
+            n >>= 7
+        return bytes(out) + bytes([n]) + b
+    header = b"\xff Go buildinf:" + bytes([8, 2]) + bytes(16)
+    sentinel = bytes(range(16))
+    path.write_bytes(b"\x7fELF" + bytes(60) + header + prefixed(version)
+                     + prefixed(sentinel + mod + sentinel) + bytes(32))
+
+
+def test_the_anchor_is_named_with_its_go_and_libcni_versions(tmp_path: Path) -> None:
+    """A run records which anchor it measured against: libcni's own CPU per call
+    moves with the Go and libcni it was built with."""
+    binary = tmp_path / "libcni-anchor"
+    _go_binary(binary, b"go1.26.10", b"path\tx/cmd/anchor\nmod\tx\t(devel)\t\n"
+               b"dep\tgithub.com/containernetworking/cni\tv1.3.0\t\nbuild\tGOOS=linux\n")
+    assert go_build_info(binary) == ("go1.26.10", {LIBCNI: "v1.3.0"})
+    (tmp_path / "commit").write_text("f954a17e505f8931e91004403b5f5eac71ab6085\n")
+    assert identity(binary) == f"{binary} (go1.26.10, libcni v1.3.0, CRI-O f954a17e505f)"
+    (tmp_path / "commit").write_text("unknown\n")  # a tree without git: no commit to name
+    assert identity(binary) == f"{binary} (go1.26.10, libcni v1.3.0)"
+    not_go = tmp_path / "not-go"
+    not_go.write_bytes(b"\x7fELF" + bytes(100))
+    assert go_build_info(not_go) == ("", {})
+    assert identity(not_go) == f"{not_go} (Go version unknown, libcni version unknown)"
+
+
+def test_a_real_go_binary_s_version_is_read_as_debian_built_it() -> None:
+    """Debian's bridge plugin: the Go version its package says it was built with."""
+    built_using = subprocess.run(["dpkg-query", "-W", "-f", "${Built-Using}",
+                                  "containernetworking-plugins"],
+                                 capture_output=True, text=True, check=True).stdout
+    golang = next(p for p in built_using.split(", ") if p.startswith("golang-1."))
+    upstream = golang.split("(= ")[1].split("-")[0]  # "golang-1.19 (= 1.19.8-2)"
+    assert go_build_info(Path("/usr/lib/cni/bridge"))[0] == f"go{upstream}"
