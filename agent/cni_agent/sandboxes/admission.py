@@ -17,7 +17,7 @@ of it; root's with them claim their ports only.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,25 +44,37 @@ class _Claim:
     attaching: frozenset[tuple[str, str]] = frozenset()
 
 
+_NOTHING: AbstractAsyncContextManager[None] = nullcontext()  # reentrant: shared
+
+
 class Admission:
     def __init__(self, store: SandboxStore) -> None:
         self.store = store
         self._claims: dict[str, _Claim] = {}  # sandbox → what its call under way will hold
 
-    @asynccontextmanager
-    async def admitted(self, caller: Caller, policy: Policy, sandbox_id: str,
-                       capabilities: Mapping[str, Any], new_sandbox: bool,
-                       attaching: Sequence[tuple[str, NetworkConfigList]] = ()
-                       ) -> AsyncIterator[None]:
+    def admitted(self, caller: Caller, policy: Policy, sandbox_id: str,
+                 capabilities: Mapping[str, Any], new_sandbox: bool,
+                 attaching: Sequence[tuple[str, NetworkConfigList]] = ()
+                 ) -> AbstractAsyncContextManager[None]:
         """Hold a place for this call (its sandbox, if new and not root's, its
         attachments `attaching` (ifname, network), not root's, and its host
         ports) until it ends; Busy over a quota or a network's members' share,
         InvalidArgument for a host port another sandbox maps or is about to.
-        By then the call's record is on disk, or nothing is."""
+        By then the call's record is on disk, or nothing is.
+
+        Root's call without host ports holds nothing: a shared empty block,
+        not an async generator (its wrapper and the loop's weak set entry)
+        on every one of root's calls."""
         ports = port_mappings(capabilities)
         if caller.root and not ports:
-            yield
-            return
+            return _NOTHING
+        return self._admitted(caller, policy, sandbox_id, ports, new_sandbox, attaching)
+
+    @asynccontextmanager
+    async def _admitted(self, caller: Caller, policy: Policy, sandbox_id: str,
+                        ports: frozenset[HostPort], new_sandbox: bool,
+                        attaching: Sequence[tuple[str, NetworkConfigList]]
+                        ) -> AsyncIterator[None]:
         claim = _Claim(caller.uid, new_sandbox and not caller.root, ports,
                        frozenset() if caller.root else
                        frozenset((ifname, net.name) for ifname, net in attaching))

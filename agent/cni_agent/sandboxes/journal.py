@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
+from collections.abc import Callable, Collection, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
@@ -250,9 +250,8 @@ class Journal:
         """The cache entries of `rec`'s attachments, as the record holds them."""
         return [entry_of(rec, a) for a in rec.attachments if a.result is not None]
 
-    @asynccontextmanager
-    async def live_netns(self, rec: SandboxRecord | None, entries: Entries, confirm: bool = True,
-                         given: Pinned | None = None) -> AsyncIterator[Pinned | None]:
+    def live_netns(self, rec: SandboxRecord | None, entries: Entries, confirm: bool = True,
+                   given: Pinned | None = None) -> AbstractAsyncContextManager[Pinned | None]:
         """The record's namespace, pinned, if its path still names the one
         recorded at ADD; else None (gone, replaced, or no namespace). A
         member's namespace (`SandboxRecord.by_descriptor`) is `given` if that
@@ -267,8 +266,7 @@ class Journal:
         is given the namespace's stronger identity.
         """
         if rec is None or rec.netns_id is None or not (rec.netns or rec.by_descriptor):
-            yield None
-            return
+            return Given(None)
         pinned: AbstractAsyncContextManager[Pinned | None]
         if rec.by_descriptor:
             # A member's: its descriptor again, else a process inside it; its
@@ -282,45 +280,28 @@ class Journal:
             pinned = Given(given)  # its opener closes it
         else:
             pinned = self.paths.pinned_if_netns(rec.netns)
-        async with pinned as ns:
-            if ns is None:
-                yield None
-                return
-            verdict, stronger = await identify(rec, entries, ns)
-            if verdict is Identity.UNCONFIRMED:
-                raise Unconfirmed(rec.netns)
-            if stronger and confirm:
-                try:
-                    self.store.write(replace(rec, netns_id=ns.identity))
-                except CacheError as e:  # a full disk must not stop a Teardown: later
-                    log.warning("sandbox %s: netns %s confirmed, but its stronger id is not "
-                                "recorded: %s", rec.sandbox_id, rec.netns, e)
-                else:
-                    log.info("sandbox %s: netns %s confirmed; its record now carries the "
-                             "kernel's namespace id", rec.sandbox_id, rec.netns)
-            yield ns if verdict is Identity.SAME else None
+        return _Live(self, rec, entries, confirm, pinned)
+
+    def _confirmed(self, rec: SandboxRecord, ns: Pinned) -> None:
+        """`rec` is alive in `ns`, whose identity is stronger than the recorded one."""
+        try:
+            self.store.write(replace(rec, netns_id=ns.identity))
+        except CacheError as e:  # a full disk must not stop a Teardown: later
+            log.warning("sandbox %s: netns %s confirmed, but its stronger id is not "
+                        "recorded: %s", rec.sandbox_id, rec.netns, e)
+        else:
+            log.info("sandbox %s: netns %s confirmed; its record now carries the "
+                     "kernel's namespace id", rec.sandbox_id, rec.netns)
 
     # --- adding -----------------------------------------------------------------
 
-    @contextmanager
-    def claiming(self, sandbox_id: str, new: Sequence[Attachment]) -> Iterator[None]:
+    def claiming(self, sandbox_id: str, new: Sequence[Attachment]) -> _Claiming:
         """Reserve the cache entries `new` will have while this call adds them:
         a concurrent Setup of another attachment whose libcni-named entry is
         the same file is refused (CacheCollision); `begin_add` refuses one
         whose file is already another attachment's on disk."""
-        wanted = {self.runtime.cache.path(a.network, sandbox_id, a.ifname):
-                  (a.network, sandbox_id, a.ifname) for a in new}
-        for path, ident in wanted.items():
-            held = self._claims.get(path)
-            if held is not None and held != ident:
-                raise CacheCollision(ident[0], ident[2])
-        mine = [p for p in wanted if p not in self._claims]
-        self._claims.update((p, wanted[p]) for p in mine)
-        try:
-            yield
-        finally:
-            for path in mine:
-                del self._claims[path]
+        return _Claiming(self._claims, {self.runtime.cache.path(a.network, sandbox_id, a.ifname):
+                                        (a.network, sandbox_id, a.ifname) for a in new})
 
     async def begin_add(self, rec: SandboxRecord, new: Sequence[Attachment], ns: Pinned,
                         loopback: bool = False) -> tuple[SandboxRecord, bool]:
@@ -700,3 +681,59 @@ def _as_plugin_sees(result: Mapping[str, Any] | None, ns: Pinned | None) -> dict
     if result is None or ns is None:
         return None if result is None else dict(result)
     return with_sandbox(result, ns.plugin_path)
+
+
+class _Claiming:
+    """`Journal.claiming`'s block: a class, not @contextmanager (a generator
+    and its wrapper on every ADD)."""
+
+    __slots__ = ("_claims", "_mine", "_wanted")
+
+    def __init__(self, claims: dict[str, tuple[str, str, str]],
+                 wanted: dict[str, tuple[str, str, str]]) -> None:
+        self._claims, self._wanted = claims, wanted
+        self._mine: list[str] = []
+
+    def __enter__(self) -> None:
+        claims = self._claims
+        for path, ident in self._wanted.items():
+            held = claims.get(path)
+            if held is not None and held != ident:
+                raise CacheCollision(ident[0], ident[2])
+        self._mine = [p for p in self._wanted if p not in claims]
+        claims.update((p, self._wanted[p]) for p in self._mine)
+
+    def __exit__(self, *exc: object) -> None:
+        for path in self._mine:
+            del self._claims[path]
+
+
+class _Live:
+    """`Journal.live_netns`'s block once there is a namespace to look at: a
+    class, not @asynccontextmanager (an async generator, its wrapper and the
+    loop's weak set entry, on every DEL)."""
+
+    __slots__ = ("_confirm", "_entries", "_journal", "_pinned", "_rec")
+
+    def __init__(self, journal: Journal, rec: SandboxRecord, entries: Entries, confirm: bool,
+                 pinned: AbstractAsyncContextManager[Pinned | None]) -> None:
+        self._journal, self._rec, self._entries = journal, rec, entries
+        self._confirm, self._pinned = confirm, pinned
+
+    async def __aenter__(self) -> Pinned | None:
+        ns = await self._pinned.__aenter__()
+        if ns is None:
+            return None
+        try:
+            verdict, stronger = await identify(self._rec, self._entries, ns)
+            if verdict is Identity.UNCONFIRMED:
+                raise Unconfirmed(self._rec.netns)
+            if stronger and self._confirm:
+                self._journal._confirmed(self._rec, ns)
+        except BaseException as e:  # as `async with` would: the pin let go of with the error
+            await self._pinned.__aexit__(type(e), e, e.__traceback__)
+            raise
+        return ns if verdict is Identity.SAME else None
+
+    async def __aexit__(self, *exc: Any) -> bool | None:
+        return await self._pinned.__aexit__(*exc)
