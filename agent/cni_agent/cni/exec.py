@@ -103,17 +103,13 @@ class _Proof:
     its `identity` (lstat), and the paths in the dirs searched before the one
     that had the plugin (stat: no regular file there)."""
 
-    walked: tuple[tuple[str, int, int, int, int, int], ...]  # path and its `identity`, flat
+    walked: tuple[tuple[str, tuple[int, ...]], ...]
     before: tuple[str, ...]
 
     def holds(self) -> bool:
-        # `identity`'s fields compared in place: no call and no tuple per entry
-        # (six entries for a plugin in /opt/cni/bin, on every run).
         try:
-            for path, dev, ino, mode, uid, ctime in self.walked:
-                st = os.lstat(path)
-                if (st.st_ino != ino or st.st_ctime_ns != ctime or st.st_mode != mode
-                        or st.st_uid != uid or st.st_dev != dev):
+            for path, ident in self.walked:
+                if identity(os.lstat(path)) != ident:
                     return False
         except OSError:
             return False
@@ -147,7 +143,7 @@ def _find(plugin: str, dirs: Iterable[str], verb: str) -> tuple[str, _Proof | No
             raise PluginUnsafe(plugin, verb, f"refusing to run {path}: {reason}")
         if not walked:  # not root: nothing was judged, nothing to re-check
             return path, None
-        return path, _Proof(tuple((entry, *identity(est)) for entry, est in walked),
+        return path, _Proof(tuple((entry, identity(est)) for entry, est in walked),
                             tuple(os.path.join(b, plugin) for b in searched[:-1]))
     where = ", ".join(searched) or "(no plugin directories configured)"
     raise PluginNotFound(plugin, verb, f"no binary {plugin!r} in {where}")
