@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cni_agent.node.aiosync import KernelSync
+from cni_agent.node.aiosync import _MAX, KernelSync
 
 
 def _kernel() -> KernelSync:
@@ -62,3 +62,26 @@ async def test_close_waits_for_a_batch_in_flight(tmp_path: Path) -> None:
     assert kernel.submit([str(tmp_path / "f")], -1, told.append)
     kernel.close()
     assert kernel._left <= 0 and kernel._fds == [] and told == []
+
+
+async def test_a_batch_larger_than_the_context_holds_is_left_to_the_caller(tmp_path: Path) -> None:
+    """More files than the kernel context takes at once: refused whole before
+    any is opened (the journal's thread then syncs them), nothing half
+    submitted and nothing reported; a batch that fits still goes."""
+    kernel = _kernel()
+    paths = []
+    for i in range(_MAX + 1):
+        (tmp_path / str(i)).write_bytes(b"x")
+        paths.append(str(tmp_path / str(i)))
+    dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    open_before = len(os.listdir("/proc/self/fd"))
+    told: list[BaseException | None] = []
+    try:
+        assert kernel.submit(paths, -1, told.append) is False
+        assert kernel.submit(paths[:_MAX], dir_fd, told.append) is False  # the directory too
+        assert told == [] and kernel._fds == [] and kernel._left == 0
+        assert len(os.listdir("/proc/self/fd")) == open_before
+        assert await _sync(kernel, paths[:_MAX]) is None
+    finally:
+        kernel.close()
+        os.close(dir_fd)

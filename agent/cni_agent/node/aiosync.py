@@ -43,18 +43,16 @@ class KernelSync:
         self._efd = efd
         # Made once: a batch's iocbs, the pointers io_submit reads, the events
         # io_getevents fills and its zero timeout (one batch at a time, of at
-        # most _MAX iocbs: a larger one gets its own, see `_iocbs_for`).
+        # most _MAX iocbs: `submit` refuses a larger one).
         self._iocb_buf = ctypes.create_string_buffer(_IOCB.size * _MAX)
         base = ctypes.addressof(self._iocb_buf)
         self._pointers = (ctypes.c_void_p * _MAX)(*(base + i * _IOCB.size for i in range(_MAX)))
         self._events = ctypes.create_string_buffer(_EVENT.size * _MAX)
         self._zero = _Timespec(0, 0)
         self._no_wait = ctypes.byref(self._zero)
-        # The batch in flight: its descriptors, its iocbs when not the ones
-        # above (alive until done), what is left to complete, the first error,
-        # and whom to tell.
+        # The batch in flight: its descriptors, what is left to complete, the
+        # first error, and whom to tell.
         self._fds: list[int] = []
-        self._iocbs: object = None
         self._left = 0
         self._error: OSError | None = None
         self._done: Callable[[BaseException | None], None] | None = None
@@ -79,8 +77,11 @@ class KernelSync:
                done: Callable[[BaseException | None], None]) -> bool:
         """Start syncing the data of `paths` (and `dir_fd`, when >= 0, fully);
         `done(error)` is called on the loop once all are. False when the kernel
-        refused to start (then nothing is under way and `done` is not called)."""
+        refused to start, or for more than _MAX at once (then nothing is under
+        way and `done` is not called)."""
         assert self._done is None, "one batch at a time"
+        if len(paths) + (dir_fd >= 0) > _MAX:
+            return False  # more than the context holds at once: the caller's thread syncs them
         fds: list[int] = []
         try:
             for path in paths:
@@ -98,36 +99,25 @@ class KernelSync:
         if not jobs:
             asyncio.get_running_loop().call_soon(done, None)
             return True
-        buffer, pointers = self._iocbs_for(len(jobs))
         for i, (fd, cmd) in enumerate(jobs):
-            _IOCB.pack_into(buffer, i * _IOCB.size, i, 0, 0, cmd, 0, fd, 0, 0, 0, 0,
+            _IOCB.pack_into(self._iocb_buf, i * _IOCB.size, i, 0, 0, cmd, 0, fd, 0, 0, 0, 0,
                             _IOCB_FLAG_RESFD, self._efd)
-        submitted = self._libc.syscall(self._submit, self._ctx, len(jobs), pointers)
+        submitted = self._libc.syscall(self._submit, self._ctx, len(jobs), self._pointers)
         if submitted != len(jobs):
             err = ctypes.get_errno()
             if submitted > 0:  # some are under way: wait for them, then report
-                self._start(fds, buffer, submitted, done,
+                self._start(fds, submitted, done,
                             OSError(err or errno.EIO, os.strerror(err or errno.EIO)))
                 return True
             for fd in fds:
                 os.close(fd)
             return False
-        self._start(fds, buffer, submitted, done, None)
+        self._start(fds, submitted, done, None)
         return True
 
-    def _iocbs_for(self, count: int) -> tuple[ctypes.Array[ctypes.c_char],
-                                               ctypes.Array[ctypes.c_void_p]]:
-        """Room for `count` iocbs and the pointers to them: the preallocated
-        ones, or for a batch larger than _MAX (none the journal makes) new."""
-        if count <= _MAX:
-            return self._iocb_buf, self._pointers
-        buffer = ctypes.create_string_buffer(_IOCB.size * count)
-        base = ctypes.addressof(buffer)
-        return buffer, (ctypes.c_void_p * count)(*(base + i * _IOCB.size for i in range(count)))
-
-    def _start(self, fds: list[int], iocbs: ctypes.Array[ctypes.c_char], count: int,
+    def _start(self, fds: list[int], count: int,
                done: Callable[[BaseException | None], None], error: OSError | None) -> None:
-        self._fds, self._iocbs, self._left, self._error, self._done = fds, iocbs, count, error, done
+        self._fds, self._left, self._error, self._done = fds, count, error, done
         loop = asyncio.get_running_loop()
         if loop is not self._loop:
             self._unwatch()
@@ -158,7 +148,7 @@ class KernelSync:
         for fd in self._fds:
             os.close(fd)
         done, error = self._done, self._error
-        self._fds, self._iocbs, self._done, self._error = [], None, None, None
+        self._fds, self._done, self._error = [], None, None
         done(error)
 
     def close(self) -> None:
@@ -173,6 +163,6 @@ class KernelSync:
                 self._left -= got
             for fd in self._fds:
                 os.close(fd)
-            self._fds, self._iocbs, self._done = [], None, None
+            self._fds, self._done = [], None
         self._libc.syscall(self._destroy, self._ctx)
         os.close(self._efd)
