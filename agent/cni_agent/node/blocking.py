@@ -169,8 +169,8 @@ class PathWorker:
         InvalidArgument(field) when it is none (or the agent's own), PathTimeout
         when it does not answer, PathsBusy when the path threads are all stuck.
         """
-        return self._held(lambda: pin(path, field), field, path,
-                          lambda opath: pin(path, field, opath))
+        return _Held(self, lambda: pin(path, field), field, path,
+                     lambda opath: pin(path, field, opath))
 
     @asynccontextmanager
     async def pinned_fd(self, fd: int, path: str,
@@ -209,15 +209,8 @@ class PathWorker:
                         ) -> AbstractAsyncContextManager[Pinned | None]:
         """As `pinned`, but None where `pinned` refuses the path; a path that
         does not answer still raises (whether it is a namespace is unknown)."""
-        return self._held(lambda: _pin_or_none(path, field), field, path,
-                          lambda opath: _pin_or_none(path, field, opath))
-
-    def _held(self, open_: Callable[[], _P], field: str, path: str,
-              quick: Callable[[int], _P]) -> _Held[_P]:
-        """`open_()` on a path thread; or, where resolving the path can only
-        wait on the kernel (`netns.in_kernel`: where runtimes put namespaces),
-        `quick(opath)` right here, on the loop: no thread hop."""
-        return _Held(self, open_, field, path, quick)
+        return _Held(self, lambda: _pin_or_none(path, field), field, path,
+                     lambda opath: _pin_or_none(path, field, opath))
 
     def stop(self) -> None:
         """Let idle threads exit; stuck ones are daemons and die with the process."""
@@ -228,9 +221,12 @@ class PathWorker:
 
 
 class _Held(Generic[_P]):
-    """`PathWorker._held`'s block, closed when it ends: a class, not
-    @asynccontextmanager (an async generator, its wrapper and the loop's
-    weak set entry for it, on every call that pins a namespace)."""
+    """What `open_()` opens on a path thread; or, where resolving the path can
+    only wait on the kernel (`netns.in_kernel`: where runtimes put
+    namespaces), what `quick(opath)` opens right here, on the loop (no thread
+    hop); closed when the block ends. A class, not @asynccontextmanager (an
+    async generator, its wrapper and the loop's weak set entry for it, on
+    every call that pins a namespace)."""
 
     __slots__ = ("_field", "_ns", "_open", "_path", "_quick", "_worker")
 
