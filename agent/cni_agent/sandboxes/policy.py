@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum, StrEnum
 from typing import Any
 
@@ -58,15 +58,16 @@ class Role(StrEnum):
 class Caller:
     uid: int
     role: Role
-    # Of `role`, set once (read a dozen times a call: no property call each);
-    # neither compared nor shown. `privileged`: root or a member, the callers
-    # whose load is not bounded per uid and whose calls a shutdown's drain waits for.
-    root: bool = field(init=False, repr=False, compare=False)
-    privileged: bool = field(init=False, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "root", self.role is Role.ROOT)
-        object.__setattr__(self, "privileged", self.role in (Role.ROOT, Role.MEMBER))
+    @property
+    def root(self) -> bool:
+        return self.role is Role.ROOT
+
+    @property
+    def privileged(self) -> bool:
+        """Root or a member: the callers whose load is not bounded per uid and
+        whose calls a shutdown's drain waits for."""
+        return self.role in (Role.ROOT, Role.MEMBER)
 
 
 ROOT = Caller(0, Role.ROOT)
