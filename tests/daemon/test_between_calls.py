@@ -6,6 +6,7 @@ Real bridge + host-local, real namespaces, the agent on a private bus.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -329,6 +330,41 @@ def test_an_old_record_whose_links_changed_is_neither_reaped_nor_entered(
     # The runtime's Teardown still works; the DEL stays out of the unconfirmed namespace.
     agent.call("Teardown", "ssa{sv}", "pod", netns, "0")
     assert _ips(tmp_path) == [] and _dels(control) == {"pod": ""}
+
+
+def _holds(pid: int, netns: str) -> list[str]:
+    """The descriptors of process `pid` open on the namespace at `netns`."""
+    want = os.stat(netns)
+    held = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):  # closed meanwhile
+            st = os.stat(f"/proc/{pid}/fd/{fd}")
+            if (st.st_dev, st.st_ino) == (want.st_dev, want.st_ino):
+                held.append(fd)
+    return held
+
+
+def test_a_namespace_left_unconfirmed_is_not_held_open_after_the_pass(
+    make_agent: Callable[..., Agent], bridge_chain: str, control: Control, netns: str,
+    tmp_path: Path,
+) -> None:
+    """A pass that pins a recorded namespace and cannot confirm it (an inode-only
+    record whose links a pod changed) lets go of it: the agent keeps no
+    descriptor that would keep a deleted namespace alive."""
+    agent = _start(make_agent)
+    agent.setup("pod", netns)
+    _checked(agent, "pod")
+    _as_0_1_0_wrote_it(agent, tmp_path, netns)
+    _forge(netns)
+    agent.start()
+    assert agent.call("WaitReady", "d", "10")[0] is True
+    assert agent.proc is not None
+    pid = agent.proc.pid
+    for _ in range(3):  # each pass pins it, judges it unconfirmed, lets go
+        agent.call("GarbageCollect", "as", "1", "pod")
+    assert agent.call("ListSandboxes")[0] == ["pod"] and _dels(control) == {}
+    # Start-up's own passes may still hold it a moment; a leaked pin never goes.
+    wait_for(lambda: _holds(pid, netns) == [], timeout=10)
 
 
 def test_a_namespace_path_that_cannot_be_opened_is_unknown_not_gone(
