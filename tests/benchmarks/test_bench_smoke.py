@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from bench import REPO, doc, goals
-from bench.anchor import LIBCNI, go_build_info, identity
+from bench.anchor import LIBCNI, go_build_info, identity, usable_anchor
 from bench.harness import PREFIX
 from bench.registry import BENCHMARKS
 from bench.report import figure
@@ -74,6 +75,25 @@ def test_smoke_runs_every_benchmark_and_cleans_up(tmp_path: Path) -> None:
     assert not [row for row in goals.summary(run["benchmarks"]) if row[-1] == "not run"]
     doc_text = doc.render(run)
     assert all(f"`{name}`" in doc_text for name in goals.GOALS)
+    after = _ours()
+    left = {what: after[what] - before[what] for what in after}
+    assert not any(left.values()), left
+
+
+def test_the_straight_line_runs_beside_the_agent_and_cleans_up() -> None:
+    """`python -m bench.straight`: every way ran a pod (a failed call fails the
+    run), each printed with its CPU per call, and nothing is left behind."""
+    before = _ours()
+    proc = subprocess.run([sys.executable, "-m", "bench.straight", "--rounds", "1", "--warmup", "0"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ways = {line.split()[0]: line for line in proc.stdout.splitlines() if line.startswith("  ")}
+    anchored = usable_anchor()[0] is not None
+    assert set(ways) == {"agent", "straight", "direct", "libcni" if anchored else "libcni:"}, proc.stdout
+    for way in ("agent", "straight"):
+        assert re.search(r"CPU \d+\.\d+ ms .*ADD \d+\.\d+, CHECK \d+\.\d+, DEL \d+\.\d+; "
+                         r"pod \d+\.\d+ ms", ways[way]), ways[way]
+        assert ("x libcni's" in ways[way]) is anchored
     after = _ours()
     left = {what: after[what] - before[what] for what in after}
     assert not any(left.values()), left
