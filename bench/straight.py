@@ -1,6 +1,6 @@
-"""`python -m bench.straight [--rounds N]`: the agent, a straight line and Go libcni,
-side by side on CRI-O's pattern: what `cri.crio_pattern.agent_cpu` could be at best
-in Python.
+"""`python -m bench.straight [--rounds N]`: the agent, a straight line, a bare server
+and Go libcni, side by side on CRI-O's pattern: what `cri.crio_pattern.agent_cpu`
+could be at best in Python.
 
 The straight line (`serve`, below) answers the shim's socket protocol
 (service/shimsock.py) with one straight line per call and the core guarantees
@@ -10,17 +10,21 @@ before any plugin runs (inline: the CPU is the same in a thread); the plugins
 run by the agent's own executor (`ProcessExecutor`: the trust check, the
 leftovers' sweep, the timeout); the libcni cache written (temporary file and
 rename, no fsync) or removed; an outcome line (not synced); one INFO record.
-It leaves out everything else the agent does: authorization beyond the uid,
-the request's validation, rates, records and their drift verdicts, group
-commit, metrics, traces, events, and every error path.
+Each is plain system calls and strings joined by hand. It leaves out
+everything else the agent does: authorization beyond the uid, the request's
+validation, rates, records and their CHECK verdicts, group commit, metrics,
+traces, events, and every error path. The bare server (`serve --bare`) is the
+same with none of the guarantees: the transport and the plugins' execs.
 
 Each round runs one pod (ADD, CHECK with prevResult, DEL: bench/crio_pattern.py's
-`pod`) through the shim on the agent and on the straight line, and one through
-the Go anchor (tools/build-crio), the first rotating, each in a fresh netns on
-a bridge of its own. Printed: the CPU per call of each (the agent's and the
-straight line's: all their threads, schedstat; libcni's: its own getrusage, as
-in `make bench`) and per verb, and the ratios to libcni's. A development tool,
-as bench.ab is: it prices a design, it judges no goal.
+`pod`) through the shim on the agent, the straight line and the bare server,
+through the chain exec'd directly (the floor `make bench` uses) and through the
+Go anchor (tools/build-crio), the first rotating, each in a fresh netns on a
+bridge of its own. Printed: the CPU per call of each (the servers': all their
+threads, schedstat; the direct chain's: this thread's; libcni's: its own
+getrusage, as in `make bench`), per verb, the ratios to libcni's, and the wall
+time per pod against the direct chain's. A development tool, as bench.ab is:
+it prices a design, it judges no goal.
 """
 
 from __future__ import annotations
@@ -56,78 +60,93 @@ log = logging.getLogger("straight")
 _U32 = struct.Struct(">I")
 _PEERCRED = struct.Struct("iII")
 _TIMEOUT = 10.0
-SUBNETS = {"agent": "10.224.0.0/22", "straight": "10.225.0.0/22", "direct": "10.223.0.0/22",
-           "libcni": "10.226.0.0/22"}
+SUBNETS = {"agent": "10.224.0.0/22", "straight": "10.225.0.0/22", "bare": "10.222.0.0/22",
+           "direct": "10.223.0.0/22", "libcni": "10.226.0.0/22"}
+SERVERS = {"straight": [], "bare": ["--bare"]}
 
 # --- the straight line ---------------------------------------------------------------
 
 
 class Straight:
-    """One network's calls, each a straight line."""
+    """One network's calls, each a straight line. `bare`: none of the
+    guarantees, only the plugins' execs (what the transport costs)."""
 
-    def __init__(self, conflist: Path, plugin_dir: str, state: Path) -> None:
+    def __init__(self, conflist: Path, plugin_dir: str, state: Path, bare: bool = False) -> None:
+        self.bare = bare
         self.raw = conflist.read_bytes()
         self.net = parse_list(self.raw)
         self.dirs = [plugin_dir]
-        self.locks, self.results = state / "locks", state / "results"
-        self.locks.mkdir(parents=True, exist_ok=True)
-        self.results.mkdir(exist_ok=True)
+        self.path = ":".join(self.dirs)
+        (state / "locks").mkdir(parents=True, exist_ok=True)
+        (state / "results").mkdir(exist_ok=True)
+        self.locks, self.results = f"{state}/locks/", f"{state}/results/{self.net.name}-"
         self.log = os.open(state / "log", os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        # The cache entry's constant part, made once: only the ids and the result vary.
+        self.cache_head = ('{"kind":"cniCacheV1","networkName":' + json.dumps(self.net.name)
+                           + ',"config":"' + base64.b64encode(self.raw).decode() + '"').encode()
         self.executor = ProcessExecutor(subreaper=True)
 
-    def _append(self, record: dict[str, Any], sync: bool) -> None:
-        os.write(self.log, json.dumps(record).encode() + b"\n")
-        if sync:
-            os.fdatasync(self.log)
-
     async def call(self, env: dict[str, str], config: bytes) -> bytes:
-        """A call's stdout; an exception for any failure."""
+        """A call's stdout; an exception for any failure. Plain system calls,
+        strings joined by hand: its cost is the guarantees', not a library's."""
         verb = env["CNI_COMMAND"]
         if verb == "STATUS":
             return b""
         cid, netns, ifname = env["CNI_CONTAINERID"], env["CNI_NETNS"], env["CNI_IFNAME"]
         conf = json.loads(config)
         prev, caps = conf.get("prevResult"), conf.get("runtimeConfig") or {}
+        inv = Invocation(verb, cid, netns, ifname, env.get("CNI_ARGS", ""), self.path)
+        if self.bare:
+            return await self._run(verb, inv, prev, caps)
         nsfd = os.open(netns, os.O_RDONLY | os.O_CLOEXEC)
         lock = -1
         try:
             st = os.fstat(nsfd)
-            lock = os.open(self.locks / f"{cid}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            lock = os.open(self.locks + cid, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             fcntl.flock(lock, fcntl.LOCK_EX)
-            if verb != "CHECK":
-                self._append({"intent": verb, "id": cid, "if": ifname,
-                              "netns": [st.st_dev, st.st_ino]}, sync=True)
-            inv = Invocation(verb, cid, netns, ifname, env.get("CNI_ARGS", ""), ":".join(self.dirs))
-            cache = self.results / f"{self.net.name}-{cid}-{ifname}"
-            plugins = list(self.net.plugins)
+            if verb == "CHECK":
+                return await self._run(verb, inv, prev, caps)
+            ids = f'"{cid}","{ifname}"'.encode()  # a runtime's ids: no quoting needed here
+            os.write(self.log, b'{"intent":"%s","ids":[%s],"netns":[%d,%d]}\n'
+                     % (verb.encode(), ids, st.st_dev, st.st_ino))
+            os.fdatasync(self.log)
+            out = await self._run(verb, inv, prev, caps)
+            cache = f"{self.results}{cid}-{ifname}"
             if verb == "ADD":
-                result = None
-                for p in plugins:
-                    binary = self.executor.find(p.type, self.dirs, verb)
-                    result = json.loads(await self.executor.execute(
-                        p.type, binary, inv, plugin_stdin(self.net, p, result, caps), _TIMEOUT))
-                tmp = cache.with_suffix(".tmp")
-                tmp.write_text(json.dumps({
-                    "kind": "cniCacheV1", "containerId": cid, "ifName": ifname,
-                    "networkName": self.net.name, "config": base64.b64encode(self.raw).decode(),
-                    "result": result}))
-                tmp.rename(cache)
-                self._append({"done": verb, "id": cid}, sync=False)
-                log.info("ADD %s %s: done", cid, ifname)
-                return json.dumps(result).encode()
-            for p in reversed(plugins) if verb == "DEL" else plugins:
-                binary = self.executor.find(p.type, self.dirs, verb)
-                await self.executor.execute(p.type, binary, inv, plugin_stdin(self.net, p, prev, caps),
-                                            _TIMEOUT)
-            if verb == "DEL":
-                cache.unlink(missing_ok=True)
-                self._append({"done": verb, "id": cid}, sync=False)
-                log.info("DEL %s %s: done", cid, ifname)
-            return b""
+                fd = os.open(cache + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
+                             0o600)
+                try:
+                    os.write(fd, b'%s,"containerId":"%s","ifName":"%s","result":%s}'
+                             % (self.cache_head, cid.encode(), ifname.encode(), out))
+                finally:
+                    os.close(fd)
+                os.rename(cache + ".tmp", cache)
+            else:
+                try:
+                    os.unlink(cache)
+                except FileNotFoundError:
+                    pass
+            os.write(self.log, b'{"done":"%s","ids":[%s]}\n' % (verb.encode(), ids))
+            log.info("%s %s %s: done", verb, cid, ifname)
+            return out
         finally:
             if lock >= 0:
                 os.close(lock)
             os.close(nsfd)
+
+    async def _run(self, verb: str, inv: Invocation, prev: Any, caps: dict[str, Any]) -> bytes:
+        """The chain: ADD in order, each with the previous one's result (the
+        last one's is the answer), CHECK in order, DEL in reverse."""
+        plugins = list(self.net.plugins)
+        result = prev
+        for p in reversed(plugins) if verb == "DEL" else plugins:
+            binary = self.executor.find(p.type, self.dirs, verb)
+            out = await self.executor.execute(p.type, binary, inv,
+                                              plugin_stdin(self.net, p, result if verb == "ADD"
+                                                           else prev, caps), _TIMEOUT)
+            if verb == "ADD":
+                result = json.loads(out)
+        return json.dumps(result).encode() if verb == "ADD" else b""
 
 
 class _Connection(asyncio.Protocol):
@@ -166,14 +185,19 @@ class _Connection(asyncio.Protocol):
         self.transport.close()
 
 
-async def serve(sock: str, conflist: Path, plugin_dir: str, state: Path) -> None:
-    straight = Straight(conflist, plugin_dir, state)
+async def serve(sock: str, conflist: Path, plugin_dir: str, state: Path, bare: bool) -> None:
+    straight = Straight(conflist, plugin_dir, state, bare)
     await asyncio.get_running_loop().create_unix_server(lambda: _Connection(straight), sock)
     print("ready", flush=True)
     await asyncio.Event().wait()
 
 
 # --- the comparison -----------------------------------------------------------------
+
+
+def _stop(server: subprocess.Popen[str]) -> None:
+    server.kill()
+    server.wait()
 
 
 def compare(rounds: int, warmup: int) -> int:
@@ -193,21 +217,18 @@ def compare(rounds: int, warmup: int) -> int:
             [sys.executable, "-m", "cni_agent", "shim-config", "--runtime", "crio", "--network",
              "podnet", "--name", "pods", "--config", str(agent.config_path)],
             capture_output=True, text=True, check=True).stdout)
-        sock = str(lab.tmp / "straight.sock")
-        with open(lab.tmp / "straight.log", "w") as err:
-            server = subprocess.Popen(
-                [sys.executable, "-m", "bench.straight", "serve", sock,
-                 str(write_conf(lab.tmp, "straight.conflist", chain("straight", "straightnet"))),
-                 str(PLUGINS_191), str(lab.tmp / "straight-state")],
-                stdout=subprocess.PIPE, stderr=err, text=True, cwd=Path(__file__).parent.parent)
-
-        def stop() -> None:
-            server.kill()
-            server.wait()
-        lab.cleanups.append(stop)
-        assert server.stdout is not None and server.stdout.readline().strip() == "ready"
-        shims = {"agent": (ShimPod(conf, lab.bus.address, str(agent.shim_socket)), agent.proc.pid),
-                 "straight": (ShimPod(conf, lab.bus.address, sock), server.pid)}
+        shims = {"agent": (ShimPod(conf, lab.bus.address, str(agent.shim_socket)), agent.proc.pid)}
+        for way, flags in SERVERS.items():
+            sock = str(lab.tmp / f"{way}.sock")
+            with open(lab.tmp / f"{way}.log", "w") as err:
+                server = subprocess.Popen(
+                    [sys.executable, "-m", "bench.straight", "serve", *flags, sock,
+                     str(write_conf(lab.tmp, f"{way}.conflist", chain(way, f"{way}net"))),
+                     str(PLUGINS_191), str(lab.tmp / f"{way}-state")],
+                    stdout=subprocess.PIPE, stderr=err, text=True, cwd=Path(__file__).parent.parent)
+            lab.cleanups.append(functools.partial(_stop, server))
+            assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+            shims[way] = (ShimPod(conf, lab.bus.address, sock), server.pid)
         anchor = None
         if binary is not None:
             anchor = Anchor(binary, write_conf(lab.tmp, "libcni.conflist", chain("libcni", "crio-libcni")),
@@ -268,6 +289,7 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="mode")
     s = sub.add_parser("serve", help="the straight line alone, on SOCKET (the comparison starts it)")
+    s.add_argument("--bare", action="store_true", help="none of the guarantees: only the execs")
     s.add_argument("socket")
     s.add_argument("conflist", type=Path)
     s.add_argument("plugin_dir")
@@ -279,7 +301,7 @@ def main() -> int:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                             format="%(asctime)s %(levelname)s %(message)s")
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            runner.run(serve(args.socket, args.conflist, args.plugin_dir, args.state))
+            runner.run(serve(args.socket, args.conflist, args.plugin_dir, args.state, args.bare))
         return 0
     return compare(args.rounds, args.warmup)
 

@@ -89,8 +89,9 @@ def test_the_straight_line_runs_beside_the_agent_and_cleans_up() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ways = {line.split()[0]: line for line in proc.stdout.splitlines() if line.startswith("  ")}
     anchored = usable_anchor()[0] is not None
-    assert set(ways) == {"agent", "straight", "direct", "libcni" if anchored else "libcni:"}, proc.stdout
-    for way in ("agent", "straight"):
+    assert set(ways) == {"agent", "straight", "bare", "direct", "libcni" if anchored else "libcni:"}, \
+        proc.stdout
+    for way in ("agent", "straight", "bare"):
         assert re.search(r"CPU \d+\.\d+ ms .*ADD \d+\.\d+, CHECK \d+\.\d+, DEL \d+\.\d+; "
                          r"pod \d+\.\d+ ms", ways[way]), ways[way]
         assert ("x libcni's" in ways[way]) is anchored
