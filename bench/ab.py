@@ -19,16 +19,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.crio_pattern import ShimPod, pod
+from bench.crio_pattern import ShimPod, crio_shim_conf, pod
 from bench.harness import (
     PLUGINS_191,
     Client,
@@ -138,10 +136,7 @@ def setup_unit(lab: Lab, way: str, env: dict[str, str] | None, pattern: str,
     agent.python_args = wrapper
     agent.start(env=env)
     assert agent.call("WaitReady", "d", "10")[0] is True, agent.log()
-    conf: dict[str, Any] = json.loads(subprocess.run(
-        [sys.executable, "-m", "cni_agent", "shim-config", "--runtime", "crio", "--network",
-         "podnet", "--name", "pods", "--config", str(agent.config_path)],
-        capture_output=True, text=True, check=True).stdout)
+    conf: dict[str, Any] = crio_shim_conf(agent.config_path)
     shim = ShimPod(conf, lab.bus.address, str(agent.shim_socket))
 
     def run_pod(i: int) -> float:

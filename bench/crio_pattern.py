@@ -133,6 +133,15 @@ class ShimPod:
         return json.loads(out.stdout) if command == "ADD" else None
 
 
+def crio_shim_conf(agent_config: Path) -> Any:
+    """The shim's network config for CRI-O, as `cni-agent shim-config --runtime crio`
+    prints it for the agent's network "podnet" (runtime "pods")."""
+    return json.loads(subprocess.run(
+        [sys.executable, "-m", "cni_agent", "shim-config", "--runtime", "crio", "--network",
+         "podnet", "--name", "pods", "--config", str(agent_config)],
+        capture_output=True, text=True, check=True).stdout)
+
+
 Runner = Callable[[str, str, str, Any], Any]
 
 
@@ -163,10 +172,7 @@ def run(smoke: bool) -> dict[str, Any]:
         agent = lab.agent(plugin_dirs=[str(plugins)])
         assert agent.call("WaitReady", "d", "10")[0] is True, agent.log()
         assert agent.proc is not None
-        conf = json.loads(subprocess.run(
-            [sys.executable, "-m", "cni_agent", "shim-config", "--runtime", "crio", "--network",
-             "podnet", "--name", "pods", "--config", str(agent.config_path)],
-            capture_output=True, text=True, check=True).stdout)
+        conf = crio_shim_conf(agent.config_path)
         calls: dict[str, Any] = {
             "direct": DirectPod(bridge_chain("crio", bridges["direct"], SUBNETS["direct"], ipam, version),
                                 [str(plugins)]),

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import pstats
 import shutil
@@ -24,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.crio_pattern import SUBNETS, ShimPod, pod
+from bench.crio_pattern import SUBNETS, ShimPod, crio_shim_conf, pod
 from bench.harness import (
     Lab,
     bridge_chain,
@@ -67,10 +66,7 @@ def main() -> int:
         assert agent.call("WaitReady", "d", "10")[0] is True, agent.log()
         assert agent.proc is not None
         pid = agent.proc.pid
-        conf = json.loads(subprocess.run(
-            [sys.executable, "-m", "cni_agent", "shim-config", "--runtime", "crio", "--network",
-             "podnet", "--name", "pods", "--config", str(agent.config_path)],
-            capture_output=True, text=True, check=True).stdout)
+        conf = crio_shim_conf(agent.config_path)
         shim = ShimPod(conf, lab.bus.address, str(agent.shim_socket))
         for i in range(10):  # warm-up: imports, caches
             pod(shim.call, f"warm-{i}", lab.netns.add(lo_up=True))

@@ -49,15 +49,18 @@ from typing import Any
 import uvloop
 
 from bench.anchor import Anchor, usable_anchor
-from bench.crio_pattern import VERBS, DirectPod, ShimPod, pod
+from bench.crio_pattern import VERBS, DirectPod, ShimPod, crio_shim_conf, pod
 from bench.harness import PLUGINS_191, Lab, bridge_chain, delete_link, proc_cpu_ns, unique
+from cni_agent.api import AgentError, ErrorKind
 from cni_agent.cni.config import parse_list
 from cni_agent.cni.exec import Invocation, ProcessExecutor
 from cni_agent.cni.runtime import plugin_stdin
+from cni_agent.service.callers import error_of
+from cni_agent.service.cnicall import MAX_CONFIG
+from cni_agent.service.shimsock import Request, RequestParser, encode_reply, refusal
 from tests.support.plugins import write_conf
 
 log = logging.getLogger("straight")
-_U32 = struct.Struct(">I")
 _PEERCRED = struct.Struct("iII")
 _TIMEOUT = 10.0
 SUBNETS = {"agent": "10.224.0.0/22", "straight": "10.225.0.0/22", "bare": "10.222.0.0/22",
@@ -86,7 +89,7 @@ class Straight:
                            + ',"config":"' + base64.b64encode(self.raw).decode() + '"').encode()
         self.executor = ProcessExecutor(subreaper=True)
 
-    async def call(self, env: dict[str, str], config: bytes) -> bytes:
+    async def call(self, env: dict[str, str], config: str) -> bytes:
         """A call's stdout; an exception for any failure. Plain system calls,
         strings joined by hand: its cost is the guarantees', not a library's."""
         verb = env["CNI_COMMAND"]
@@ -138,7 +141,7 @@ class Straight:
         """The chain: ADD in order, each with the previous one's result (the
         last one's is the answer), CHECK in order, DEL in reverse."""
         plugins = list(self.net.plugins)
-        result = prev
+        result, out = prev, b""
         for p in reversed(plugins) if verb == "DEL" else plugins:
             binary = self.executor.find(p.type, self.dirs, verb)
             out = await self.executor.execute(p.type, binary, inv,
@@ -146,12 +149,16 @@ class Straight:
                                                            else prev, caps), _TIMEOUT)
             if verb == "ADD":
                 result = json.loads(out)
-        return json.dumps(result).encode() if verb == "ADD" else b""
+        return out if verb == "ADD" else b""
 
 
 class _Connection(asyncio.Protocol):
+    """One request, read and answered with the agent's own codec (shimsock);
+    root's only, as the one authorization kept."""
+
     def __init__(self, straight: Straight) -> None:
-        self.straight, self.buf = straight, bytearray()
+        self.straight = straight
+        self.parser: RequestParser | None = RequestParser(MAX_CONFIG)
         self.transport: asyncio.Transport | None = None
         self.uid = -1
 
@@ -162,26 +169,32 @@ class _Connection(asyncio.Protocol):
             sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))[1]
 
     def data_received(self, data: bytes) -> None:
-        self.buf += data
-        b = self.buf
-        if len(b) < 12:
-            return
-        n = _U32.unpack_from(b, 4)[0]
-        if len(b) < 12 + n or len(b) < 12 + n + _U32.unpack_from(b, 8 + n)[0]:
-            return
-        m = _U32.unpack_from(b, 8 + n)[0]
-        env = dict(e.split("=", 1) for e in bytes(b[8:8 + n]).decode().split("\0") if e)
-        asyncio.get_running_loop().create_task(self._serve(env, bytes(b[12 + n:12 + n + m])))
-
-    async def _serve(self, env: dict[str, str], config: bytes) -> None:
-        name = b""
+        if self.parser is None:
+            return  # being answered
         try:
-            status, out = 0, await self.straight.call(env, config)
-        except Exception as e:  # a measurement tool: any failure, said and answered
-            status, out, name = 1, str(e).encode(), b"org.cniagent.Agent1.Error.Failed"
+            request = self.parser.feed(data)
+        except AgentError as e:
+            self.parser = None
+            self._reply(refusal(e))
+            return
+        if request is not None:
+            self.parser = None
+            asyncio.get_running_loop().create_task(self._serve(request))
+
+    async def _serve(self, request: Request) -> None:
+        try:
+            if self.uid != 0:
+                raise AgentError(ErrorKind.ACCESS_DENIED, "root's calls only")
+            if request.config is None:
+                raise AgentError(ErrorKind.INVALID_ARGUMENT, f"config larger than {MAX_CONFIG} bytes")
+            reply = encode_reply(0, "", (await self.straight.call(request.env, request.config)).decode())
+        except Exception as e:  # named as the agent names it (a plugin's error, a refusal)
+            reply = encode_reply(0, *error_of("CNICall", e))
+        self._reply(reply)
+
+    def _reply(self, reply: bytes) -> None:
         assert self.transport is not None
-        self.transport.write(b"CNA1" + _U32.pack(status) + _U32.pack(len(name))
-                             + _U32.pack(len(out)) + name + out)
+        self.transport.write(reply)
         self.transport.close()
 
 
@@ -213,10 +226,7 @@ def compare(rounds: int, warmup: int) -> int:
         agent = lab.agent(plugin_dirs=[str(PLUGINS_191)])
         assert agent.call("WaitReady", "d", "10")[0] is True, agent.log()
         assert agent.proc is not None
-        conf = json.loads(subprocess.run(
-            [sys.executable, "-m", "cni_agent", "shim-config", "--runtime", "crio", "--network",
-             "podnet", "--name", "pods", "--config", str(agent.config_path)],
-            capture_output=True, text=True, check=True).stdout)
+        conf = crio_shim_conf(agent.config_path)
         shims = {"agent": (ShimPod(conf, lab.bus.address, str(agent.shim_socket)), agent.proc.pid)}
         for way, flags in SERVERS.items():
             sock = str(lab.tmp / f"{way}.sock")
